@@ -1,0 +1,195 @@
+"""pytest wiring for the matrix: axis options, cell parametrization, skip reasons, isolation
+between cells, and result recording where pytest's reports arrive (the controller, when
+pytest-xdist runs workers), so a cell whose worker crashed is still in the report."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+# Nothing is downloaded at run time: every model is built from a config in code. Offline
+# mode makes an accidental hub call fail loudly instead.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest
+import torch
+import transformers
+
+from matrix import environment
+from matrix import report as matrix_report
+from matrix.cells import (
+    Cell,
+    SelectionError,
+    axis_values,
+    cell_from_id,
+    cell_id_from_nodeid,
+    enumerate_cells,
+    parse_selection,
+)
+from matrix.devices import skip_reason
+from matrix.precisions import PRECISIONS
+
+transformers.utils.logging.disable_progress_bar()
+
+AXES = ("model", "precision", "mode", "device")
+AXES_PROPERTY = "matrix_cell"
+RESULT_PROPERTY = "matrix_result"
+selection_key = pytest.StashKey[dict]()
+recorder_key = pytest.StashKey["Recorder"]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("matrix", "mixed-precision matrix")
+    for axis in AXES:
+        group.addoption(
+            f"--{axis}",
+            dest=f"matrix_{axis}",
+            default=None,
+            metavar="A,B",
+            help=f"{axis} values to run, comma-separated (default: all; see README)",
+        )
+    group.addoption("--cuda-device", dest="matrix_cuda_device", type=int, default=0, metavar="N",
+                    help="index of the GPU the cuda cells run on (default 0); recorded in the report")
+    group.addoption("--report-dir", dest="matrix_report_dir", default=None, metavar="DIR",
+                    help="where run reports go (default: reports/ beside this conftest)")
+    group.addoption("--no-report", dest="matrix_no_report", action="store_true",
+                    help="write no report directory")
+
+
+def is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cell: a matrix cell (model x precision x mode x device)")
+    try:
+        config.stash[selection_key] = {
+            axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES
+        }
+    except SelectionError as error:
+        raise pytest.UsageError(str(error)) from None
+    if not is_worker(config) and not config.getoption("matrix_no_report"):
+        root = config.getoption("matrix_report_dir") or Path(__file__).parent / "reports"
+        config.stash[recorder_key] = Recorder(config, Path(root))
+        config.pluginmanager.register(config.stash[recorder_key], "matrix-recorder")
+
+
+def pytest_generate_tests(metafunc):
+    if "cell" not in metafunc.fixturenames:
+        return
+    cuda_index = metafunc.config.getoption("matrix_cuda_device")
+    params = []
+    for cell in enumerate_cells(metafunc.config.stash[selection_key]):
+        reason = skip_reason(cell.device, PRECISIONS[cell.precision], cuda_index)
+        marks = [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
+        params.append(pytest.param(cell, id=cell.id, marks=marks))
+    metafunc.parametrize("cell", params)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        cell = getattr(getattr(item, "callspec", None), "params", {}).get("cell")
+        if isinstance(cell, Cell):
+            item.user_properties.append((AXES_PROPERTY, cell.axes()))
+
+
+@pytest.fixture(autouse=True)
+def isolated_torch_state():
+    """A cell starts clean and leaves nothing behind."""
+    saved = (
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+        dict(os.environ),
+    )
+    yield
+    default_dtype, grad_enabled, deterministic, threads, env = saved
+    torch.set_default_dtype(default_dtype)
+    torch.set_grad_enabled(grad_enabled)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(env)
+    assert not torch.is_autocast_enabled("cpu"), "a cell left CPU autocast enabled"
+
+
+def rerun_command(config, cell: Cell) -> str:
+    command = ["pytest", f"cases/test_cells.py::test_cell[{cell.id}]"]
+    if config.getoption("matrix_cuda_device"):
+        command.append(f"--cuda-device={config.getoption('matrix_cuda_device')}")
+    return shlex.join(command)
+
+
+def invocation() -> str:
+    program = Path(sys.argv[0]).name
+    program = "python -m pytest" if program == "__main__.py" else program
+    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
+
+
+class Recorder:
+    """Collects one record per cell from the reports pytest delivers, then writes the run."""
+
+    def __init__(self, config, reports_root: Path) -> None:
+        self.config = config
+        self.reports_root = reports_root
+        self.run_id = matrix_report.new_run_id()
+        self.started = time.time()
+        self.records: dict[str, dict] = {}
+        self.written: Path | None = None
+
+    def pytest_runtest_logreport(self, report):
+        properties = dict(report.user_properties)
+        axes = properties.get(AXES_PROPERTY)
+        if axes is not None:
+            cell = Cell(**axes)
+        else:  # a report xdist made for a crashed worker carries only the node id
+            cell_id = cell_id_from_nodeid(report.nodeid)
+            cell = cell_from_id(cell_id) if cell_id else None
+            if cell is None:
+                return
+        if RESULT_PROPERTY in properties and report.when == "call":
+            self.records[cell.id] = properties[RESULT_PROPERTY]
+        elif report.skipped and cell.id not in self.records:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.records[cell.id] = matrix_report.skipped_record(cell, reason.removeprefix("Skipped: "))
+        elif report.failed and (cell.id not in self.records or self.records[cell.id]["outcome"] == "passed"):
+            # Failed outside run_cell: a fixture error, a teardown check, or a crashed worker.
+            phase = report.when if report.when in ("setup", "call", "teardown") else "crash"
+            self.records[cell.id] = matrix_report.harness_failure_record(
+                cell, phase, str(report.longrepr), getattr(report, "duration", 0.0)
+            )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        if not self.records:
+            return
+        finished = time.time()
+        run = {
+            "id": self.run_id,
+            "command": invocation(),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(finished)),
+            "duration_s": round(finished - self.started, 2),
+            "pytest_exit_status": int(exitstatus),
+            "selection": {axis: list(values) for axis, values in self.config.stash[selection_key].items()},
+            "axes": {axis: list(values) for axis, values in axis_values().items()},
+            "workers": getattr(self.config.option, "numprocesses", None),
+            **{f"git_{k}": v for k, v in environment.git_state(Path(__file__).parent).items()},
+        }
+        env = environment.capture(self.config.getoption("matrix_cuda_device"))
+        self.written = matrix_report.write_report(self.reports_root, run, env, list(self.records.values()))
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.written:
+            counts = matrix_report.outcome_counts(self.records.values())
+            terminalreporter.write_sep("=", "precision matrix")
+            terminalreporter.write_line(
+                f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped cells; "
+                f"report: {self.written / 'summary.md'}"
+            )
+

@@ -1,0 +1,17 @@
+"""Mixed-precision regression matrix for the PyTorch LLM stack.
+
+Where things live:
+  precisions.py  - the precision table (weights dtype, autocast dtype, grad scaler)
+  modes.py       - train / eval
+  devices.py     - cpu / cuda, capability probes and skip reasons
+  models/        - one tiny model factory per model kind, built from configs in code
+  cells.py       - a cell = model x precision x mode x device; enumeration and selection
+  tolerances.py  - numeric tolerances as data
+  checks.py      - the assertions a cell makes, each failing with a stable message
+  phases.py      - what a cell runs (train steps, evaluation, checkpoint round trip)
+  signatures.py  - failure signature: phase, exception type, normalized message, origin
+  environment.py - versions and devices recorded in every report
+  report.py      - results.json, summary.md, junit.xml
+"""
+
+SCHEMA_VERSION = 1

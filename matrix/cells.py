@@ -1,0 +1,73 @@
+"""A cell is one point of the matrix: model x precision x mode x device."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+from matrix.devices import DEVICES
+from matrix.modes import MODES
+from matrix.precisions import PRECISIONS
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    model: str
+    precision: str
+    mode: str
+    device: str
+
+    @property
+    def id(self) -> str:
+        """Reads like the cell it runs: gemma-cache-bf16-mixed-eval-cpu."""
+        return f"{self.model}-{self.precision}-{self.mode}-{self.device}"
+
+    def axes(self) -> dict[str, str]:
+        return asdict(self)
+
+
+class SelectionError(ValueError):
+    """A selection names a value that no axis has."""
+
+
+def axis_values() -> dict[str, tuple[str, ...]]:
+    from matrix.models import MODELS  # registered kinds, including downstream ones
+
+    return {"model": tuple(MODELS), "precision": tuple(PRECISIONS), "mode": MODES, "device": DEVICES}
+
+
+def parse_selection(axis: str, text: str | None) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'), in the axis' own order; None or '' -> every value of the axis."""
+    valid = axis_values()[axis]
+    wanted = [value.strip() for value in (text or "").split(",") if value.strip()]
+    if not wanted:
+        return valid
+    unknown = [value for value in wanted if value not in valid]
+    if unknown:
+        raise SelectionError(
+            f"--{axis}: unknown value{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"valid values: {', '.join(valid)}"
+        )
+    return tuple(value for value in valid if value in wanted)
+
+
+def enumerate_cells(selection: dict[str, tuple[str, ...]]) -> list[Cell]:
+    """Every combination of the selected values, grouped by device, then mode, then model."""
+    return [
+        Cell(model=model, precision=precision, mode=mode, device=device)
+        for device, mode, model, precision in itertools.product(
+            selection["device"], selection["mode"], selection["model"], selection["precision"]
+        )
+    ]
+
+
+def cell_from_id(cell_id: str) -> Cell | None:
+    """The cell a test id names (for reports that carry only a node id, such as a crash)."""
+    every = enumerate_cells(axis_values())
+    return next((cell for cell in every if cell.id == cell_id), None)
+
+
+def cell_id_from_nodeid(nodeid: str) -> str | None:
+    if "::test_cell[" not in nodeid or not nodeid.endswith("]"):
+        return None
+    return nodeid.split("::test_cell[", 1)[1][:-1]

@@ -1,0 +1,132 @@
+"""The assertions a cell makes. Each failure is a CheckFailure whose message is stable
+(the measured numbers are normalized away by the signature, so one kind of failure gives
+one signature), and each check records what it measured in the cell's metrics."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from matrix.tolerances import Tolerance
+
+
+class CheckFailure(AssertionError):
+    """A numeric or contract failure found by the matrix itself (not raised by the stack).
+
+    str() is the stable message the signature is computed from; `details` names the tensors
+    involved (they differ from model to model for the same bug) and goes to the report.
+    """
+
+    def __init__(self, message: str, details: str | None = None) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class NonFiniteValue(CheckFailure):
+    pass
+
+
+class OutOfTolerance(CheckFailure):
+    pass
+
+
+class ParametersUnchanged(CheckFailure):
+    pass
+
+
+class DtypeContractBroken(CheckFailure):
+    pass
+
+
+class CheckpointMismatch(CheckFailure):
+    pass
+
+
+def check_finite_loss(loss: torch.Tensor, what: str) -> float:
+    value = loss.detach().float().item()
+    if not math.isfinite(value):
+        raise NonFiniteValue(f"{what} is {value}")
+    return value
+
+
+def nonfinite_gradients(parameters) -> list[str]:
+    return [name for name, p in parameters if p.grad is not None and not torch.isfinite(p.grad).all()]
+
+
+def check_finite_gradients(parameters) -> None:
+    bad = nonfinite_gradients(parameters)
+    if bad:
+        raise NonFiniteValue("gradients are not finite", details=f"{len(bad)} tensors, first {bad[0]}")
+
+
+def check_finite_parameters(parameters, when: str) -> None:
+    bad = [name for name, p in parameters if not torch.isfinite(p).all()]
+    if bad:
+        raise NonFiniteValue(f"parameters are not finite {when}", details=f"{len(bad)} tensors, first {bad[0]}")
+
+
+def check_within_tolerance(what: str, value: float, reference: float, tolerance: Tolerance) -> None:
+    if not math.isfinite(value):
+        raise NonFiniteValue(f"{what} is {value} (fp32 reference {reference})")
+    if not tolerance.allows(value, reference):
+        raise OutOfTolerance(
+            f"{what} {value:.6g} is off the fp32 reference {reference:.6g} by {abs(value - reference):.3g} "
+            f"(allowed: atol {tolerance.atol:g} + rtol {tolerance.rtol:g} * |reference|)"
+        )
+
+
+def check_parameters_changed(before: dict[str, torch.Tensor], model) -> None:
+    after = dict(model.named_parameters())
+    unchanged = sorted(name for name, old in before.items() if torch.equal(old, after[name].detach()))
+    if unchanged:
+        raise ParametersUnchanged(
+            "trainable tensors did not change in training",
+            details=f"{len(unchanged)} of {len(before)}, first {unchanged[0]}",
+        )
+
+
+def check_dtypes(weights: dict[str, torch.Tensor], expected: torch.dtype, what: str) -> None:
+    wrong = {name: p.dtype for name, p in weights.items() if p.dtype != expected}
+    if wrong:
+        name, dtype = next(iter(wrong.items()))
+        raise DtypeContractBroken(
+            f"{what}: weights are {dtype}, not {expected}",
+            details=f"{len(wrong)} of {len(weights)}, first {name}",
+        )
+
+
+def tensor_dtypes(model) -> dict[str, torch.dtype]:
+    """Parameters and buffers (a buffer such as RoPE's inv_freq changes outputs too)."""
+    found = {f"parameter {name}": p.dtype for name, p in model.named_parameters()}
+    found.update({f"buffer {name}": b.dtype for name, b in model.named_buffers()})
+    return found
+
+
+def check_same_dtypes(before: dict[str, torch.dtype], model, what: str) -> None:
+    after = tensor_dtypes(model)
+    changed = sorted(name for name in before if after.get(name) != before[name])
+    if changed:
+        name = changed[0]
+        kind = name.split()[0]
+        raise DtypeContractBroken(
+            f"{what}: a {kind} was {before[name]}, is now {after.get(name)}",
+            details=f"{len(changed)} tensors changed dtype, first {name}",
+        )
+
+
+def check_outputs_equal(what: str, expected: torch.Tensor, actual: torch.Tensor, tolerance: Tolerance) -> float:
+    if expected.dtype != actual.dtype:
+        raise CheckpointMismatch(f"{what}: dtype {actual.dtype} after reload, {expected.dtype} before")
+    if expected.shape != actual.shape:
+        raise CheckpointMismatch(f"{what}: shape changed across reload")
+    difference = (expected.float() - actual.float()).abs()
+    worst = difference.max().item() if difference.numel() else 0.0
+    allowed = tolerance.atol + tolerance.rtol * expected.float().abs()
+    if not bool((difference <= allowed).all()):
+        count = int((difference > allowed).sum())
+        raise CheckpointMismatch(
+            f"{what} differ after reload",
+            details=f"{count} of {difference.numel()} values, max abs difference {worst:.3g}",
+        )
+    return worst

@@ -1,0 +1,87 @@
+"""What every report records about the machine and the stack it ran on."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from matrix import devices
+
+PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "safetensors",
+    "lightning",
+    "numpy",
+    "pytest",
+    "pytest-xdist",
+    "hypothesis",
+)
+CUDA_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+def package_versions() -> dict[str, str | None]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_state(root: Path) -> dict:
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def gpu_warnings(gpus: tuple[dict, ...]) -> list[str]:
+    names = {gpu["name"] for gpu in gpus}
+    if len(names) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        return [
+            f"several different GPUs are visible ({', '.join(sorted(names))}) and CUDA_DEVICE_ORDER is not "
+            "PCI_BUS_ID: cuda:N may not be the GPU nvidia-smi calls N; choose one with --cuda-device"
+        ]
+    return []
+
+
+def capture(cuda_index: int) -> dict:
+    gpus = devices.cuda_devices()
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "packages": package_versions(),
+        "cuda_devices": list(gpus),
+        "selected_cuda_device": cuda_index if gpus else None,
+        "env": {name: os.environ.get(name) for name in CUDA_ENV_VARS},
+        "warnings": gpu_warnings(gpus),
+    }

@@ -1,0 +1,108 @@
+"""What every model kind provides, and the tiny sizes they are all built with.
+
+A model kind is a small factory in the spirit of transformers' model testers: it builds a
+deterministic tiny model from a config in code (nothing is downloaded), makes a fixed batch,
+computes the loss, evaluates, and saves/loads a checkpoint the way its library does.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from matrix.precisions import Precision
+
+# All sizes in one place.
+VOCAB_SIZE = 99
+HIDDEN_SIZE = 32
+INTERMEDIATE_SIZE = 64
+NUM_LAYERS = 2
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
+MAX_POSITIONS = 64
+SEQUENCE_LENGTHS = (8, 5, 2)  # one batch of different-length sequences, padded to the longest
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
+INIT_SEED = 0
+BATCH_SEED = 1234
+
+
+@dataclass
+class EvalOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    generated: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+
+def seeded_tokens(lengths: tuple[int, ...], pad_left: bool, seed: int = BATCH_SEED):
+    """Token ids and attention mask (1 = real token) for sequences of the given lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD_TOKEN_ID, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        tokens = torch.randint(EOS_TOKEN_ID + 1, VOCAB_SIZE, (length,), generator=generator)
+        span = slice(width - length, width) if pad_left else slice(0, length)
+        ids[row, span] = tokens
+        mask[row, span] = 1
+    return ids, mask
+
+
+class ModelKind(abc.ABC):
+    """One value of the model axis."""
+
+    name: str
+    description: str
+
+    @abc.abstractmethod
+    def create(self) -> nn.Module:
+        """A freshly initialised fp32 model on the CPU (called under a fixed seed)."""
+
+    def initialise(self) -> nn.Module:
+        """The same fp32 weights every time."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(INIT_SEED)
+            return self.create()
+
+    def build(self, precision: Precision, device: torch.device, workdir: Path) -> nn.Module:
+        """The model in the precision's weights dtype, obtained the way the precision says."""
+        if precision.weights_from == "load":
+            directory = workdir / "pretrained-fp32"
+            if not directory.exists():
+                directory.mkdir(parents=True)
+                self.save(self.initialise(), directory)
+            return self.load_weights(directory, precision.weights_dtype, device)
+        return self.initialise().to(device=device, dtype=precision.weights_dtype)
+
+    def load(self, directory: Path, precision: Precision, device: torch.device, workdir: Path) -> nn.Module:
+        """A fresh model from a checkpoint written by save(), in the precision's dtype."""
+        return self.load_weights(directory, precision.weights_dtype, device)
+
+    @abc.abstractmethod
+    def batch(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The fixed batch every step and every evaluation runs on."""
+
+    @abc.abstractmethod
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward pass and scalar training loss."""
+
+    @abc.abstractmethod
+    def evaluate(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> EvalOutput:
+        """What an evaluation loop computes (the caller sets eval mode, no_grad, autocast)."""
+
+    @abc.abstractmethod
+    def save(self, model: nn.Module, directory: Path) -> None:
+        """Write a checkpoint with the library's own API, as safetensors."""
+
+    @abc.abstractmethod
+    def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """The library's own loading API (from_pretrained(dtype=...) and the like)."""
+
+    def precision_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Parameters that must be in the precision's weights dtype (all of them, by default)."""
+        return dict(model.named_parameters())

@@ -1,0 +1,34 @@
+"""gemma-cache: transformers Gemma3 text model with one sliding-window and one global layer,
+KV cache on in evaluation, and generate() as part of evaluating (seed 001's setting)."""
+
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from matrix.models import base
+from matrix.models.causal_lm import TOKEN_IDS, CausalLMKind
+
+# Shorter than the longest sequence, so the sliding-window mask really cuts.
+SLIDING_WINDOW = 4
+
+
+class GemmaCache(CausalLMKind):
+    name = "gemma-cache"
+    description = "transformers Gemma3ForCausalLM, sliding + global layers, KV cache, generate()"
+    model_class = Gemma3ForCausalLM
+    use_cache_in_eval = True
+    generate_tokens = 4
+
+    def config(self):
+        return Gemma3TextConfig(
+            vocab_size=base.VOCAB_SIZE,
+            hidden_size=base.HIDDEN_SIZE,
+            intermediate_size=base.INTERMEDIATE_SIZE,
+            num_hidden_layers=base.NUM_LAYERS,
+            num_attention_heads=base.NUM_HEADS,
+            num_key_value_heads=base.NUM_KV_HEADS,
+            head_dim=base.HEAD_DIM,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=base.MAX_POSITIONS,
+            use_cache=True,
+            **TOKEN_IDS,
+        )

@@ -1,0 +1,72 @@
+"""The precision axis: one row per precision, and nothing else decides what a precision means."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    weights_dtype: torch.dtype  # dtype the model's parameters are built/loaded in
+    autocast_dtype: torch.dtype | None  # dtype of torch.autocast, None = no autocast
+    grad_scaler: bool  # torch.amp.GradScaler around backward/step
+    summary: str
+    # How the weights get their dtype: "cast" = built in fp32, then module.to(dtype), as
+    # Lightning's *-true plugins and hand-written loops do; "load" = from_pretrained(...,
+    # dtype=...) of an fp32 checkpoint, as LLM fine-tuning scripts do.
+    weights_from: str = "cast"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Lowest precision the matmuls run in: what the fp32 tolerance is chosen by."""
+        return self.autocast_dtype or self.weights_dtype
+
+    @property
+    def half_dtypes(self) -> frozenset[torch.dtype]:
+        return frozenset(d for d in (self.weights_dtype, self.autocast_dtype) if d in HALF_DTYPES)
+
+    def autocast(self, device_type: str):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
+
+    def make_grad_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(device_type) if self.grad_scaler else None
+
+    def settings(self) -> dict:
+        """The declared settings, as recorded in reports."""
+        return {
+            "weights_dtype": dtype_name(self.weights_dtype),
+            "autocast_dtype": dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
+            "grad_scaler": self.grad_scaler,
+            "weights_from": self.weights_from,
+        }
+
+
+HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", _F32, None, False, "fp32 weights, no autocast"),
+        Precision("fp16-mixed", _F32, _F16, True, "fp32 master weights, fp16 autocast, GradScaler"),
+        Precision("bf16-mixed", _F32, _BF16, False, "fp32 master weights, bf16 autocast"),
+        Precision("bf16-true", _BF16, None, False, "bf16 weights, no autocast"),
+        Precision("fp16-true", _F16, None, False, "fp16 weights, no autocast, no scaler"),
+        # What most LLM fine-tuning runs: weights loaded in half precision
+        # (from_pretrained(dtype=...)) with a mixed-precision trainer on top.
+        Precision("bf16-loaded-mixed", _BF16, _BF16, False, "bf16 weights loaded, bf16 autocast", "load"),
+        Precision("fp16-loaded-mixed", _F16, _F16, True, "fp16 weights loaded, fp16 autocast, GradScaler", "load"),
+    )
+}

@@ -1,0 +1,253 @@
+"""Cell records and the report directory: results.json, summary.md, junit.xml.
+
+results.json follows matrix/results.schema.json (schema_version below). A report directory is
+never overwritten: each run gets reports/<run-id>/, and reports/latest points at the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections import Counter
+from pathlib import Path
+from xml.etree import ElementTree
+
+from matrix import SCHEMA_VERSION
+from matrix.cells import Cell
+from matrix.phases import CellResult
+from matrix.precisions import PRECISIONS
+from matrix.signatures import signature_of_crash
+
+OUTCOMES = ("passed", "failed", "skipped")
+MARK = {"passed": "✅", "failed": "❌", "skipped": "⏭️"}
+
+
+# ------------------------------------------------------------------ records
+
+
+def _base_record(cell: Cell, outcome: str) -> dict:
+    return {
+        "id": cell.id,
+        **cell.axes(),
+        "outcome": outcome,
+        "phase": None,
+        "phases": {},
+        "signature": None,
+        "message": None,
+        "skip_reason": None,
+        "duration_s": 0.0,
+        "metrics": {},
+    }
+
+
+def result_record(result: CellResult) -> dict:
+    record = _base_record(result.cell, result.outcome)
+    record.update(
+        phase=result.phase,
+        phases=result.phases,
+        signature=result.signature.as_dict() if result.signature else None,
+        message=result.message,
+        duration_s=result.duration_s,
+        metrics=result.metrics,
+    )
+    return record
+
+
+def skipped_record(cell: Cell, reason: str) -> dict:
+    record = _base_record(cell, "skipped")
+    record["skip_reason"] = reason
+    return record
+
+
+def harness_failure_record(cell: Cell, phase: str, description: str, duration_s: float = 0.0) -> dict:
+    """A cell that failed outside run_cell: a fixture error, or a worker process that died."""
+    record = _base_record(cell, "failed")
+    signature = signature_of_crash(phase, description.strip().splitlines()[-1] if description.strip() else phase)
+    record.update(phase=phase, signature=signature.as_dict(), message=description[-4000:], duration_s=duration_s)
+    return record
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+# ------------------------------------------------------------------ results.json
+
+
+def signature_index(records: list[dict]) -> dict[str, dict]:
+    index: dict[str, dict] = {}
+    for record in records:
+        signature = record["signature"]
+        if signature:
+            entry = index.setdefault(signature["id"], {**signature, "cells": []})
+            entry["cells"].append(record["id"])
+    return dict(sorted(index.items(), key=lambda item: (-len(item[1]["cells"]), item[0])))
+
+
+def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
+    records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["precision"]))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run": run,
+        "environment": environment,
+        "precisions": {name: {**p.settings(), "summary": p.summary} for name, p in PRECISIONS.items()},
+        "counts": {outcome: sum(r["outcome"] == outcome for r in records) for outcome in OUTCOMES},
+        "cells": records,
+        "signatures": signature_index(records),
+    }
+
+
+# ------------------------------------------------------------------ summary.md
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def summary_markdown(document: dict) -> str:
+    run, env, cells = document["run"], document["environment"], document["cells"]
+    packages = env.get("packages", {})
+    stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
+    counts = document["counts"]
+    lines = [
+        f"# Mixed-precision matrix: run {run['id']}",
+        "",
+        f"**{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped** "
+        f"of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
+        "",
+        f"- command: `{run['command']}`",
+        f"- stack: {stack}",
+        f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs; "
+        + (
+            "GPUs: " + ", ".join(f"cuda:{g['index']} {g['name']} (cc {g['compute_capability']})" for g in env["cuda_devices"])
+            if env.get("cuda_devices")
+            else "no CUDA device"
+        ),
+        f"- project commit: {run.get('git_commit') or 'unknown'}{' (dirty)' if run.get('git_dirty') else ''}",
+    ]
+    lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
+    if run.get("incomplete"):
+        lines.append("- **incomplete run:** not every selected cell reported")
+
+    skip_reasons: dict[str, str] = {}
+    for (device, mode) in sorted({(c["device"], c["mode"]) for c in cells}, key=lambda dm: (dm[0] != "cpu", dm[1] != "train")):
+        group = [c for c in cells if c["device"] == device and c["mode"] == mode]
+        precisions = [p for p in PRECISIONS if any(c["precision"] == p for c in group)]
+        precisions += sorted({c["precision"] for c in group} - set(precisions))
+        present = {c["model"] for c in group}
+        models = [m for m in run.get("axes", {}).get("model", []) if m in present]
+        models += sorted(present - set(models))
+        lines += ["", f"## {device} · {mode}", "", "| model | " + " | ".join(precisions) + " |"]
+        lines.append("|---|" + "---|" * len(precisions))
+        by_key = {(c["model"], c["precision"]): c for c in group}
+        for model in models:
+            row = []
+            for precision in precisions:
+                cell = by_key.get((model, precision))
+                if cell is None:
+                    row.append("")
+                elif cell["outcome"] == "failed":
+                    row.append(f"❌ `{cell['signature']['id']}` ({cell['phase']})")
+                elif cell["outcome"] == "skipped":
+                    key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
+                    row.append(f"⏭️ {key}")
+                else:
+                    row.append("✅")
+            lines.append(f"| {model} | " + " | ".join(row) + " |")
+
+    if skip_reasons:
+        lines += ["", "## Skip reasons", "", "| key | reason | cells |", "|---|---|---|"]
+        for reason, key in skip_reasons.items():
+            count = sum(c["skip_reason"] == reason for c in cells)
+            lines.append(f"| {key} | {_md(reason)} | {count} |")
+
+    lines += ["", "## Failure signatures", ""]
+    if document["signatures"]:
+        lines += ["| signature | phase | failure | cells |", "|---|---|---|---|"]
+        for sig_id, entry in document["signatures"].items():
+            failure = f"{entry['exception']}: {entry['message']} @ `{entry['origin']}`"
+            lines.append(f"| `{sig_id}` | {entry['phase']} | {_md(failure)} | {', '.join(entry['cells'])} |")
+    else:
+        lines.append("No cell failed.")
+
+    lines += ["", "## Precisions", "", "| precision | weights | autocast | grad scaler | weights from |", "|---|---|---|---|---|"]
+    for name, p in document["precisions"].items():
+        lines.append(
+            f"| {name} | {p['weights_dtype']} | {p['autocast_dtype'] or '-'} | {'yes' if p['grad_scaler'] else '-'} "
+            f"| {p['weights_from']} |"
+        )
+    lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ junit.xml
+
+
+def junit_xml(document: dict) -> bytes:
+    cells = document["cells"]
+    suite = ElementTree.Element(
+        "testsuite",
+        name="precision-matrix",
+        tests=str(len(cells)),
+        failures=str(document["counts"]["failed"]),
+        skipped=str(document["counts"]["skipped"]),
+        errors="0",
+        time=f"{sum(c['duration_s'] for c in cells):.3f}",
+    )
+    for cell in cells:
+        case = ElementTree.SubElement(suite, "testcase", classname=f"matrix.{cell['device']}.{cell['mode']}", name=cell["id"], time=f"{cell['duration_s']:.3f}")
+        if cell["outcome"] == "failed":
+            failure = ElementTree.SubElement(case, "failure", message=f"{cell['signature']['id']} {cell['signature']['text']}")
+            failure.text = cell["message"] or ""
+        elif cell["outcome"] == "skipped":
+            ElementTree.SubElement(case, "skipped", message=cell["skip_reason"] or "")
+    return ElementTree.tostring(suite, encoding="utf-8", xml_declaration=True)
+
+
+# ------------------------------------------------------------------ the directory
+
+
+def create_run_directory(reports_root: Path, run_id: str) -> Path:
+    """reports/<run-id>/, created exclusively: a run never writes into another's directory."""
+    reports_root.mkdir(parents=True, exist_ok=True)
+    directory = reports_root / run_id
+    directory.mkdir()  # FileExistsError rather than overwrite
+    return directory
+
+
+def point_latest(reports_root: Path, directory: Path) -> None:
+    link = reports_root / "latest"
+    temporary = reports_root / f".latest-{secrets.token_hex(4)}"
+    try:
+        temporary.symlink_to(directory.name, target_is_directory=True)
+        os.replace(temporary, link)  # atomic: readers see the old or the new run, never neither
+    except OSError:  # no symlinks here (some Windows setups): leave a pointer file instead
+        temporary.unlink(missing_ok=True)
+        (reports_root / "LATEST").write_text(directory.name + "\n")
+
+
+def json_safe(value):
+    """Strict JSON: a non-finite float becomes the string "nan", "inf" or "-inf"."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_report(reports_root: Path, run: dict, environment: dict, records: list[dict]) -> Path:
+    directory = create_run_directory(reports_root, run["id"])
+    document = results_document(run, environment, records)
+    (directory / "results.json").write_text(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
+    (directory / "summary.md").write_text(summary_markdown(document))
+    (directory / "junit.xml").write_bytes(junit_xml(document))
+    point_latest(reports_root, directory)
+    return directory
+
+
+def outcome_counts(records: list[dict]) -> Counter:
+    return Counter(r["outcome"] for r in records)

@@ -1,0 +1,117 @@
+"""Failure signatures: the same bug gives the same id on any machine, different bugs differ.
+
+A signature is (phase, exception type, normalized message, origin). The message loses what
+varies between runs and machines (addresses, ids, sizes and shapes, paths, line numbers,
+numbers) and keeps what names the bug (words, dtype names such as BFloat16 or c10::Half).
+The origin is the innermost traceback frame inside the stack under test (torch,
+transformers, peft, ...), as module:function; failures raised by the matrix's own checks
+fall back to the innermost frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+# Packages whose frames count as the origin of a failure.
+STACK_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+    "safetensors",
+    "bitsandbytes",
+    "liger_kernel",
+    "triton",
+)
+MAX_MESSAGE_CHARS = 300
+
+_NORMALIZERS: tuple[tuple[re.Pattern, str], ...] = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r"\b0x[0-9a-fA-F]+\b", "<addr>"),  # object addresses
+        (r"\bat <addr>", "at <addr>"),
+        (r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}[\\/]?", "<path>"),  # paths, posix or windows
+        (r"\bline \d+", "line <n>"),
+        (r"torch\.Size\(\[[^\]]*\]\)", "<shape>"),
+        (r"\[\s*-?\d+(?:\s*,\s*-?\d+)*\s*,?\s*\]", "<shape>"),  # [2, 8, 32]
+        (r"\(\s*-?\d+(?:\s*,\s*-?\d+)+\s*,?\s*\)", "<shape>"),  # (2, 8)
+        (r"\b\d+(?:x\d+)+\b", "<shape>"),  # 16x32
+        (r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?(?![\w.])", "<n>"),  # numbers
+        (r"\bid[= ]<n>", "id=<n>"),
+        (r"\s+", " "),
+    )
+)
+
+
+def normalize_message(message: str) -> str:
+    text = message
+    for pattern, replacement in _NORMALIZERS:
+        text = pattern.sub(replacement, text)
+    text = text.strip()
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS] + "..."
+    return text
+
+
+def frame_module(frame) -> str:
+    return frame.f_globals.get("__name__") or "<unknown>"
+
+
+def origin_of(exc: BaseException) -> str:
+    """Innermost frame in the stack under test as module:function, else the innermost frame."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if not frames:
+        return "<no traceback>"
+    in_stack = [f for f in frames if frame_module(f).split(".")[0] in STACK_PACKAGES]
+    frame = (in_stack or frames)[-1]
+    return f"{frame_module(frame)}:{frame.f_code.co_name}"
+
+
+def exception_type(exc: BaseException) -> str:
+    cls = type(exc)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class Signature:
+    phase: str
+    exc_type: str
+    message: str  # normalized
+    origin: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.phase}: {self.exc_type}: {self.message} @ {self.origin}"
+
+    @property
+    def id(self) -> str:
+        return "sig-" + hashlib.sha1(self.text.encode()).hexdigest()[:8]
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "id": self.id,
+            "text": self.text,
+            "phase": self.phase,
+            "exception": self.exc_type,
+            "message": self.message,
+            "origin": self.origin,
+        }
+
+
+def signature_of(phase: str, exc: BaseException) -> Signature:
+    message = str(exc) or (exc.args[0] if exc.args else "")
+    return Signature(phase, exception_type(exc), normalize_message(str(message)), origin_of(exc))
+
+
+def signature_of_crash(phase: str, description: str) -> Signature:
+    """A cell whose process died has no exception object: only what pytest/xdist reported."""
+    return Signature(phase, "crash", normalize_message(description), "<worker process>")

@@ -1,0 +1,79 @@
+"""nox sessions: `nox -s matrix` runs the matrix, `nox -s tests` the project's own tests.
+
+Which torch: MATRIX_TORCH is the pip requirement for torch (default torch==2.13.0, a CPU
+build); MATRIX_TORCH_INDEX_URL, if set, is the index it comes from (PyTorch's CPU or CUDA
+wheel index, say). On a machine that already has the stack (a GPU CI image), run
+`nox -s matrix --no-venv` and nothing is installed: the current environment is used.
+Environments are reused between runs and reinstalled only when pyproject.toml or the
+torch selection changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).parent
+TORCH_REQUIREMENT = os.environ.get("MATRIX_TORCH", "torch==2.13.0")
+TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
+SHOW_STACK = (
+    "import torch, transformers, peft, accelerate; "
+    "print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}), '"
+    "f'transformers {transformers.__version__}, peft {peft.__version__}, accelerate {accelerate.__version__}')"
+)
+
+
+def install_stack(session: nox.Session, *extras: str) -> None:
+    if session.venv_backend == "none":
+        session.log("--no-venv: using the current environment as it is, installing nothing")
+    else:
+        torch_args = [TORCH_REQUIREMENT] + (["--index-url", TORCH_INDEX_URL] if TORCH_INDEX_URL else [])
+        project = ".[" + ",".join(extras) + "]" if extras else "."
+        key = hashlib.sha256(
+            "\n".join([(ROOT / "pyproject.toml").read_text(), *torch_args, project]).encode()
+        ).hexdigest()
+        stamp = Path(session.virtualenv.location) / ".matrix-stack"
+        if stamp.exists() and stamp.read_text() == key:
+            session.log("environment up to date (pyproject.toml and torch selection unchanged)")
+        else:
+            session.install(*torch_args)  # first, so nothing else pulls in a different torch
+            session.install("-e", project)
+            stamp.write_text(key)
+    session.run("python", "-c", SHOW_STACK)
+
+
+@nox.session
+def matrix(session: nox.Session) -> None:
+    """The whole matrix (all cells; cuda cells skip with a reason where there is no GPU).
+
+    Arguments after -- go to pytest: nox -s matrix -- --device cpu -k "bf16-mixed and eval"
+    """
+    install_stack(session)
+    session.run("python", "-m", "pytest", "cases", "-n", "auto", *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells)."""
+    install_stack(session, "test")
+    session.run("python", "-m", "pytest", "tests", *session.posargs)
+    smoke_reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
+    session.run(
+        "python", "-m", "pytest", "cases", "--precision", "fp32", "--device", "cpu",
+        "--report-dir", str(Path(smoke_reports) / "smoke-reports"),
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    if session.venv_backend != "none":
+        session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+# Deterministic by default (CI): derandomized, no example database, bounded examples.
+settings.register_profile(
+    "ci", derandomize=True, database=None, max_examples=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def run_pytest(tmp_path):
+    """Run the matrix in a fresh pytest process, as a user would, with the test plugins."""
+
+    def run(*args: str, report_dir: Path | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+        env.pop("PYTEST_ADDOPTS", None)
+        command = [sys.executable, "-m", "pytest", "cases", "--report-dir", str(report_dir or tmp_path / "reports"), *args]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    return run

@@ -1,0 +1,74 @@
+"""The whole path, cell spec -> run -> outcome -> signature -> record -> report, driven by
+model kinds defined outside the matrix package (tests/plugins/broken_models.py)."""
+
+import json
+
+import pytest
+
+PLUGIN = ("-p", "broken_models")
+
+
+def load_results(tmp_path):
+    return json.loads((tmp_path / "reports" / "latest" / "results.json").read_text())
+
+
+def test_a_broken_custom_function_fails_with_its_signature_and_phase(run_pytest, tmp_path):
+    done = run_pytest(*PLUGIN, "--model", "broken-matmul", "--precision", "fp32,bf16-mixed", "--device", "cpu")
+    assert done.returncode == 1, done.stdout[-3000:]
+    cells = {c["id"]: c for c in load_results(tmp_path)["cells"]}
+
+    # fp32 trains, evaluates and round-trips its checkpoint
+    for mode in ("train", "eval"):
+        assert cells[f"broken-matmul-fp32-{mode}-cpu"]["outcome"] == "passed"
+    # bf16 autocast: evaluation has no backward, so it passes; training fails in backward
+    assert cells["broken-matmul-bf16-mixed-eval-cpu"]["outcome"] == "passed"
+    broken = cells["broken-matmul-bf16-mixed-train-cpu"]
+    assert broken["outcome"] == "failed"
+    assert broken["phase"] == "train_steps"
+    assert broken["phases"] == {
+        "train_steps": "failed",
+        "mid_training_eval": "not run",
+        "checkpoint_save": "not run",
+        "checkpoint_reload": "not run",
+        "resumed_step": "not run",
+    }
+    signature = broken["signature"]
+    assert signature["exception"] == "RuntimeError"
+    assert "BFloat16" in signature["message"] and "Float" in signature["message"]
+    # innermost frame inside the stack under test: torch's autograd calling the Function
+    # (the plugin module itself is not part of the stack)
+    assert signature["origin"].startswith("torch.autograd."), signature["origin"]
+    assert signature["id"] in load_results(tmp_path)["signatures"]
+
+    # the pytest failure message starts with the signature, then the re-run command
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("_") and "bf16-mixed-train-cpu]" in line)
+    first_lines = [line for line in lines[header + 1 :] if line.strip()][:2]
+    assert first_lines[0].startswith(f"{signature['id']} train_steps: RuntimeError:")
+    assert first_lines[1] == "re-run: pytest 'cases/test_cells.py::test_cell[broken-matmul-bf16-mixed-train-cpu]'"
+
+
+def test_the_same_failure_gives_the_same_signature_in_two_runs(run_pytest, tmp_path):
+    ids = []
+    for run in ("one", "two"):
+        report_dir = tmp_path / run
+        run_pytest(*PLUGIN, "--model", "broken-matmul", "--precision", "bf16-mixed", "--mode", "train", "--device", "cpu",
+                   report_dir=report_dir)
+        results = json.loads((report_dir / "latest" / "results.json").read_text())
+        ids.append(results["cells"][0]["signature"]["id"])
+    assert ids[0] == ids[1]
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_worker_still_leaves_its_cell_in_the_report(run_pytest, tmp_path):
+    done = run_pytest(*PLUGIN, "--model", "crash-abort,broken-matmul", "--precision", "fp32", "--mode", "train",
+                      "--device", "cpu", "-n", "1")
+    assert done.returncode == 1, done.stdout[-3000:]
+    cells = {c["id"]: c for c in load_results(tmp_path)["cells"]}
+    crashed = cells["crash-abort-fp32-train-cpu"]
+    assert crashed["outcome"] == "failed"
+    assert crashed["phase"] == "crash"
+    assert crashed["signature"]["exception"] == "crash"
+    assert "crashed" in crashed["signature"]["message"]
+    # the other cell still ran, on a replacement worker
+    assert cells["broken-matmul-fp32-train-cpu"]["outcome"] == "passed"

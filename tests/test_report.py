@@ -1,0 +1,106 @@
+"""The report writer: schema, grid, signature table, junit, and never overwriting."""
+
+import json
+from pathlib import Path
+from xml.etree import ElementTree
+
+import jsonschema
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from matrix import report
+from matrix.cells import Cell
+from matrix.signatures import Signature
+
+SCHEMA = json.loads((Path(report.__file__).parent / "results.schema.json").read_text())
+RUN = {
+    "id": "run-a",
+    "command": "pytest cases",
+    "started_at": "2026-01-01T00:00:00Z",
+    "finished_at": "2026-01-01T00:00:10Z",
+    "duration_s": 10.0,
+    "pytest_exit_status": 1,
+    "selection": {"device": ["cpu"]},
+    "axes": {"model": ["tiny-transformer", "tiny-llama"]},
+    "git_commit": None,
+    "git_dirty": None,
+}
+ENV = {"python": "3.11", "cpu": "x", "cpu_count": 2, "packages": {"torch": "2", "transformers": "5", "peft": "0", "accelerate": "1"},
+       "cuda_devices": [], "selected_cuda_device": None, "env": {}, "warnings": []}
+SIG = Signature("evaluate", "RuntimeError", "expected scalar type Float but found BFloat16", "torch.nn.modules.transformer:forward")
+
+
+def failed(cell):
+    record = report._base_record(cell, "failed")
+    record.update(phase="evaluate", signature=SIG.as_dict(), message="RuntimeError: <b>expected</b> | pipe")
+    return record
+
+
+def records():
+    return [
+        report._base_record(Cell("tiny-llama", "fp32", "eval", "cpu"), "passed"),
+        failed(Cell("tiny-transformer", "bf16-mixed", "eval", "cpu")),
+        failed(Cell("tiny-transformer", "bf16-mixed", "train", "cpu")),
+        report.skipped_record(Cell("tiny-llama", "fp32", "eval", "cuda"), "Requires: [CUDA device] (none visible)"),
+    ]
+
+
+def test_results_json_follows_the_schema(tmp_path):
+    directory = report.write_report(tmp_path, RUN, ENV, records())
+    document = json.loads((directory / "results.json").read_text())
+    jsonschema.validate(document, SCHEMA)
+    assert document["counts"] == {"passed": 1, "failed": 2, "skipped": 1}
+    assert document["signatures"][SIG.id]["cells"] == ["tiny-transformer-bf16-mixed-eval-cpu", "tiny-transformer-bf16-mixed-train-cpu"]
+
+
+def test_schema_rejects_a_failed_cell_without_signature(tmp_path):
+    document = report.results_document(RUN, ENV, records())
+    document["cells"][0]["outcome"] = "failed"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(document, SCHEMA)
+
+
+def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
+    directory = report.write_report(tmp_path, RUN, ENV, records())
+    summary = (directory / "summary.md").read_text()
+    assert "## cpu · eval" in summary and "## cuda · eval" in summary and "## cpu · train" in summary
+    assert f"| tiny-transformer | ❌ `{SIG.id}` (evaluate) |" in summary
+    assert "| S1 | Requires: [CUDA device] (none visible) | 1 |" in summary
+    assert f"| `{SIG.id}` | evaluate |" in summary
+    # models in registry order, not alphabetical
+    eval_section = summary.split("## cpu · eval")[1]
+    assert eval_section.index("tiny-transformer") < eval_section.index("tiny-llama")
+
+
+def test_junit_counts_and_escapes(tmp_path):
+    directory = report.write_report(tmp_path, RUN, ENV, records())
+    suite = ElementTree.parse(directory / "junit.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "2", "1")
+    failure = suite.find("testcase[@name='tiny-transformer-bf16-mixed-eval-cpu']/failure")
+    assert failure.get("message").startswith(SIG.id)
+    assert "<b>expected</b>" in failure.text
+
+
+def test_a_run_directory_is_never_overwritten(tmp_path):
+    first = report.write_report(tmp_path, RUN, ENV, records())
+    before = (first / "results.json").read_text()
+    with pytest.raises(FileExistsError):
+        report.write_report(tmp_path, RUN, ENV, records()[:1])
+    assert (first / "results.json").read_text() == before
+
+
+def test_latest_points_at_the_newest_run(tmp_path):
+    report.write_report(tmp_path, RUN, ENV, records())
+    second = report.write_report(tmp_path, {**RUN, "id": "run-b"}, ENV, records())
+    assert (tmp_path / "latest").resolve() == second.resolve()
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_metrics_stay_strict_json(value):
+    text = json.dumps(report.json_safe({"metrics": {"x": value, "xs": [value]}}), allow_nan=False)
+    assert json.loads(text)["metrics"]["x"] in (value, str(value))
+
+
+def test_run_ids_are_unique():
+    assert len({report.new_run_id() for _ in range(200)}) == 200
