@@ -23,11 +23,6 @@ nox.options.sessions = ["tests"]
 ROOT = Path(__file__).parent
 TORCH_REQUIREMENT = os.environ.get("MATRIX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
-SHOW_STACK = (
-    "import torch, transformers, peft, accelerate; "
-    "print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}), '"
-    "f'transformers {transformers.__version__}, peft {peft.__version__}, accelerate {accelerate.__version__}')"
-)
 
 
 def install_stack(session: nox.Session, *extras: str) -> None:
@@ -46,7 +41,7 @@ def install_stack(session: nox.Session, *extras: str) -> None:
             session.install(*torch_args)  # first, so nothing else pulls in a different torch
             session.install("-e", project)
             stamp.write_text(key)
-    session.run("python", "-c", SHOW_STACK)
+    session.run("python", "-m", "matrix.environment")  # prints the torch in use, and its CUDA
 
 
 @nox.session

@@ -85,3 +85,15 @@ def capture(cuda_index: int) -> dict:
         "env": {name: os.environ.get(name) for name in CUDA_ENV_VARS},
         "warnings": gpu_warnings(gpus),
     }
+
+
+def stack_line() -> str:
+    versions = package_versions()
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    gpus = ", ".join(f"cuda:{g['index']} {g['name']}" for g in devices.cuda_devices()) or "no GPU visible"
+    others = ", ".join(f"{name} {versions[name]}" for name in ("transformers", "peft", "accelerate") if versions[name])
+    return f"torch {torch.__version__} ({cuda}; {gpus}), {others}"
+
+
+if __name__ == "__main__":
+    print(stack_line())

@@ -1,0 +1,66 @@
+"""The precision table, and what each precision actually puts in force on a real model."""
+
+import pytest
+import torch
+
+from matrix.cells import Cell
+from matrix.models import MODELS
+from matrix.phases import CellState, effective_settings
+from matrix.precisions import PRECISIONS
+
+EXPECTED = {  # name: (weights, autocast, scaler) -- the issue's definitions
+    "fp32": (torch.float32, None, False),
+    "fp16-mixed": (torch.float32, torch.float16, True),
+    "bf16-mixed": (torch.float32, torch.bfloat16, False),
+    "bf16-true": (torch.bfloat16, None, False),
+    "fp16-true": (torch.float16, None, False),
+    "bf16-loaded-mixed": (torch.bfloat16, torch.bfloat16, False),
+    "fp16-loaded-mixed": (torch.float16, torch.float16, True),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_table_defines_each_precision(name):
+    precision = PRECISIONS[name]
+    assert (precision.weights_dtype, precision.autocast_dtype, precision.grad_scaler) == EXPECTED[name]
+    assert precision.weights_from == ("load" if "loaded" in name else "cast")
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+@pytest.mark.parametrize("model", ["tiny-transformer", "lora"])
+def test_effective_settings_are_measured_not_copied(name, model, tmp_path):
+    precision = PRECISIONS[name]
+    state = CellState(Cell(model, name, "train", "cpu"), MODELS[model], precision, torch.device("cpu"), tmp_path, {})
+    state.model = state.kind.build(precision, state.device, tmp_path)
+    effective = effective_settings(state)
+    weights = str(precision.weights_dtype).removeprefix("torch.")
+    assert weights in effective["parameter_dtypes"]
+    assert effective["autocast_dtype"] == (str(precision.autocast_dtype).removeprefix("torch.") if precision.autocast_dtype else None)
+    assert effective["grad_scaler"] is precision.grad_scaler
+    if model == "lora" and weights != "float32":
+        # peft keeps the adapters in fp32 over a half-precision base: recorded, not hidden
+        assert effective["trainable_parameter_dtypes"] == {"float32": sum(
+            p.numel() for p in state.model.parameters() if p.requires_grad)}
+
+
+def test_loaded_precisions_go_through_from_pretrained(tmp_path):
+    """The 'loaded' weights come from an fp32 checkpoint loaded with dtype=..., so the
+    non-persistent RoPE buffer is recomputed in fp32 as from_pretrained does."""
+    kind = MODELS["tiny-llama"]
+    loaded = kind.build(PRECISIONS["bf16-loaded-mixed"], torch.device("cpu"), tmp_path)
+    cast = kind.build(PRECISIONS["bf16-true"], torch.device("cpu"), tmp_path)
+    assert (tmp_path / "pretrained-fp32").is_dir()
+    assert dict(loaded.named_buffers())["model.rotary_emb.inv_freq"].dtype == torch.float32
+    assert dict(cast.named_buffers())["model.rotary_emb.inv_freq"].dtype == torch.bfloat16
+    for (name, a), (_, b) in zip(loaded.named_parameters(), cast.named_parameters()):
+        assert torch.equal(a, b), name  # same weights either way
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_models_are_deterministic(model, tmp_path):
+    kind = MODELS[model]
+    a = kind.build(PRECISIONS["fp32"], torch.device("cpu"), tmp_path)
+    b = kind.build(PRECISIONS["fp32"], torch.device("cpu"), tmp_path)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    assert all(torch.equal(x, y) for x, y in zip(kind.batch("cpu").values(), kind.batch("cpu").values()))
