@@ -52,12 +52,22 @@ def pytest_addoption(parser):
             metavar="A,B",
             help=f"{axis} values to run, comma-separated (default: all; see README)",
         )
-    group.addoption("--cuda-device", dest="matrix_cuda_device", type=int, default=0, metavar="N",
-                    help="index of the GPU the cuda cells run on (default 0); recorded in the report")
-    group.addoption("--report-dir", dest="matrix_report_dir", default=None, metavar="DIR",
-                    help="where run reports go (default: reports/ beside this conftest)")
-    group.addoption("--no-report", dest="matrix_no_report", action="store_true",
-                    help="write no report directory")
+    group.addoption(
+        "--cuda-device",
+        dest="matrix_cuda_device",
+        type=int,
+        default=0,
+        metavar="N",
+        help="index of the GPU the cuda cells run on (default 0); recorded in the report",
+    )
+    group.addoption(
+        "--report-dir",
+        dest="matrix_report_dir",
+        default=None,
+        metavar="DIR",
+        help="where run reports go (default: reports/ beside this conftest)",
+    )
+    group.addoption("--no-report", dest="matrix_no_report", action="store_true", help="write no report directory")
 
 
 def is_worker(config) -> bool:
@@ -72,9 +82,7 @@ def pytest_configure(config):
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
-        config.stash[selection_key] = {
-            axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES
-        }
+        config.stash[selection_key] = {axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES}
     except SelectionError as error:
         raise pytest.UsageError(str(error)) from None
     if not is_worker(config) and not config.getoption("matrix_no_report"):
@@ -197,4 +205,3 @@ class Recorder:
                 f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped cells; "
                 f"report: {self.written / 'summary.md'}"
             )
-

@@ -71,9 +71,7 @@ class CellState:
         self.model = self.kind.build(self.precision, self.device, self.workdir)
         self.batch = self.kind.batch(self.device)
         self.metrics["effective"] = effective_settings(self)
-        checks.check_dtypes(
-            self.kind.precision_weights(self.model), self.precision.weights_dtype, "after build"
-        )
+        checks.check_dtypes(self.kind.precision_weights(self.model), self.precision.weights_dtype, "after build")
 
     def new_optimizer(self, model) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
@@ -148,14 +146,10 @@ def train_steps(state: CellState) -> None:
     state.scaler = state.precision.make_grad_scaler(state.device_type)
     trainable = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
     dtypes = checks.tensor_dtypes(state.model)
-    state.metrics["train_losses"] = _train_until_applied(
-        state, state.model, state.optimizer, state.scaler, TRAIN_STEPS
-    )
+    state.metrics["train_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, TRAIN_STEPS)
     checks.check_parameters_changed(trainable, state.model)
     checks.check_same_dtypes(dtypes, state.model, "after training")
-    checks.check_dtypes(
-        state.kind.precision_weights(state.model), state.precision.weights_dtype, "after training"
-    )
+    checks.check_dtypes(state.kind.precision_weights(state.model), state.precision.weights_dtype, "after training")
     if state.scaler is not None:
         state.metrics["grad_scale"] = state.scaler.get_scale()
 
@@ -188,8 +182,8 @@ def _check_against_fp32(state: CellState, result, label: str) -> None:
     )
     if result.generated is not None:
         state.metrics["generated_tokens"] = result.generated.shape[-1] - state.batch["input_ids"].shape[-1]
-        state.metrics["generation_matches_fp32"] = (
-            reference.generated is not None and torch.equal(result.generated, reference.generated)
+        state.metrics["generation_matches_fp32"] = reference.generated is not None and torch.equal(
+            result.generated, reference.generated
         )
     checks.check_within_tolerance(f"{label} loss", value, ref_value, tolerance)
 

@@ -121,7 +121,8 @@ def summary_markdown(document: dict) -> str:
         f"- stack: {stack}",
         f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs; "
         + (
-            "GPUs: " + ", ".join(f"cuda:{g['index']} {g['name']} (cc {g['compute_capability']})" for g in env["cuda_devices"])
+            "GPUs: "
+            + ", ".join(f"cuda:{g['index']} {g['name']} (cc {g['compute_capability']})" for g in env["cuda_devices"])
             if env.get("cuda_devices")
             else "no CUDA device"
         ),
@@ -132,7 +133,9 @@ def summary_markdown(document: dict) -> str:
         lines.append("- **incomplete run:** not every selected cell reported")
 
     skip_reasons: dict[str, str] = {}
-    for (device, mode) in sorted({(c["device"], c["mode"]) for c in cells}, key=lambda dm: (dm[0] != "cpu", dm[1] != "train")):
+    for device, mode in sorted(
+        {(c["device"], c["mode"]) for c in cells}, key=lambda dm: (dm[0] != "cpu", dm[1] != "train")
+    ):
         group = [c for c in cells if c["device"] == device and c["mode"] == mode]
         precisions = [p for p in PRECISIONS if any(c["precision"] == p for c in group)]
         precisions += sorted({c["precision"] for c in group} - set(precisions))
@@ -172,7 +175,13 @@ def summary_markdown(document: dict) -> str:
     else:
         lines.append("No cell failed.")
 
-    lines += ["", "## Precisions", "", "| precision | weights | autocast | grad scaler | weights from |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Precisions",
+        "",
+        "| precision | weights | autocast | grad scaler | weights from |",
+        "|---|---|---|---|---|",
+    ]
     for name, p in document["precisions"].items():
         lines.append(
             f"| {name} | {p['weights_dtype']} | {p['autocast_dtype'] or '-'} | {'yes' if p['grad_scaler'] else '-'} "
@@ -197,9 +206,17 @@ def junit_xml(document: dict) -> bytes:
         time=f"{sum(c['duration_s'] for c in cells):.3f}",
     )
     for cell in cells:
-        case = ElementTree.SubElement(suite, "testcase", classname=f"matrix.{cell['device']}.{cell['mode']}", name=cell["id"], time=f"{cell['duration_s']:.3f}")
+        case = ElementTree.SubElement(
+            suite,
+            "testcase",
+            classname=f"matrix.{cell['device']}.{cell['mode']}",
+            name=cell["id"],
+            time=f"{cell['duration_s']:.3f}",
+        )
         if cell["outcome"] == "failed":
-            failure = ElementTree.SubElement(case, "failure", message=f"{cell['signature']['id']} {cell['signature']['text']}")
+            failure = ElementTree.SubElement(
+                case, "failure", message=f"{cell['signature']['id']} {cell['signature']['text']}"
+            )
             failure.text = cell["message"] or ""
         elif cell["outcome"] == "skipped":
             ElementTree.SubElement(case, "skipped", message=cell["skip_reason"] or "")
@@ -230,7 +247,7 @@ def point_latest(reports_root: Path, directory: Path) -> None:
 
 def json_safe(value):
     """Strict JSON: a non-finite float becomes the string "nan", "inf" or "-inf"."""
-    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+    if (isinstance(value, float) and value != value) or value in (float("inf"), float("-inf")):
         return str(value)
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}

@@ -11,7 +11,11 @@ PLUGINS = Path(__file__).resolve().parent / "plugins"
 
 # Deterministic by default (CI): derandomized, no example database, bounded examples.
 settings.register_profile(
-    "ci", derandomize=True, database=None, max_examples=60, deadline=None,
+    "ci",
+    derandomize=True,
+    database=None,
+    max_examples=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("explore", max_examples=2000, deadline=None)
@@ -25,7 +29,15 @@ def run_pytest(tmp_path):
     def run(*args: str, report_dir: Path | None = None) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
         env.pop("PYTEST_ADDOPTS", None)
-        command = [sys.executable, "-m", "pytest", "cases", "--report-dir", str(report_dir or tmp_path / "reports"), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "cases",
+            "--report-dir",
+            str(report_dir or tmp_path / "reports"),
+            *args,
+        ]
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
     return run

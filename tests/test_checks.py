@@ -68,7 +68,7 @@ def test_a_buffer_changing_dtype_is_a_broken_contract():
     model = torch.nn.BatchNorm1d(2)
     before = checks.tensor_dtypes(model)
     model.running_mean = model.running_mean.to(torch.bfloat16)
-    with pytest.raises(checks.DtypeContractBroken, match="a buffer was torch.float32, is now torch.bfloat16"):
+    with pytest.raises(checks.DtypeContractBroken, match=r"a buffer was torch\.float32, is now torch\.bfloat16"):
         checks.check_same_dtypes(before, model, "after reload")
 
 

@@ -52,8 +52,18 @@ def test_the_same_failure_gives_the_same_signature_in_two_runs(run_pytest, tmp_p
     ids = []
     for run in ("one", "two"):
         report_dir = tmp_path / run
-        run_pytest(*PLUGIN, "--model", "broken-matmul", "--precision", "bf16-mixed", "--mode", "train", "--device", "cpu",
-                   report_dir=report_dir)
+        run_pytest(
+            *PLUGIN,
+            "--model",
+            "broken-matmul",
+            "--precision",
+            "bf16-mixed",
+            "--mode",
+            "train",
+            "--device",
+            "cpu",
+            report_dir=report_dir,
+        )
         results = json.loads((report_dir / "latest" / "results.json").read_text())
         ids.append(results["cells"][0]["signature"]["id"])
     assert ids[0] == ids[1]
@@ -61,8 +71,19 @@ def test_the_same_failure_gives_the_same_signature_in_two_runs(run_pytest, tmp_p
 
 @pytest.mark.timeout(300)
 def test_a_crashed_worker_still_leaves_its_cell_in_the_report(run_pytest, tmp_path):
-    done = run_pytest(*PLUGIN, "--model", "crash-abort,broken-matmul", "--precision", "fp32", "--mode", "train",
-                      "--device", "cpu", "-n", "1")
+    done = run_pytest(
+        *PLUGIN,
+        "--model",
+        "crash-abort,broken-matmul",
+        "--precision",
+        "fp32",
+        "--mode",
+        "train",
+        "--device",
+        "cpu",
+        "-n",
+        "1",
+    )
     assert done.returncode == 1, done.stdout[-3000:]
     cells = {c["id"]: c for c in load_results(tmp_path)["cells"]}
     crashed = cells["crash-abort-fp32-train-cpu"]

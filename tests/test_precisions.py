@@ -35,12 +35,15 @@ def test_effective_settings_are_measured_not_copied(name, model, tmp_path):
     effective = effective_settings(state)
     weights = str(precision.weights_dtype).removeprefix("torch.")
     assert weights in effective["parameter_dtypes"]
-    assert effective["autocast_dtype"] == (str(precision.autocast_dtype).removeprefix("torch.") if precision.autocast_dtype else None)
+    assert effective["autocast_dtype"] == (
+        str(precision.autocast_dtype).removeprefix("torch.") if precision.autocast_dtype else None
+    )
     assert effective["grad_scaler"] is precision.grad_scaler
     if model == "lora" and weights != "float32":
         # peft keeps the adapters in fp32 over a half-precision base: recorded, not hidden
-        assert effective["trainable_parameter_dtypes"] == {"float32": sum(
-            p.numel() for p in state.model.parameters() if p.requires_grad)}
+        assert effective["trainable_parameter_dtypes"] == {
+            "float32": sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+        }
 
 
 def test_loaded_precisions_go_through_from_pretrained(tmp_path):
@@ -52,7 +55,7 @@ def test_loaded_precisions_go_through_from_pretrained(tmp_path):
     assert (tmp_path / "pretrained-fp32").is_dir()
     assert dict(loaded.named_buffers())["model.rotary_emb.inv_freq"].dtype == torch.float32
     assert dict(cast.named_buffers())["model.rotary_emb.inv_freq"].dtype == torch.bfloat16
-    for (name, a), (_, b) in zip(loaded.named_parameters(), cast.named_parameters()):
+    for (name, a), (_, b) in zip(loaded.named_parameters(), cast.named_parameters(), strict=True):
         assert torch.equal(a, b), name  # same weights either way
 
 
@@ -61,6 +64,6 @@ def test_models_are_deterministic(model, tmp_path):
     kind = MODELS[model]
     a = kind.build(PRECISIONS["fp32"], torch.device("cpu"), tmp_path)
     b = kind.build(PRECISIONS["fp32"], torch.device("cpu"), tmp_path)
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), name
-    assert all(torch.equal(x, y) for x, y in zip(kind.batch("cpu").values(), kind.batch("cpu").values()))
+    assert all(torch.equal(x, y) for x, y in zip(kind.batch("cpu").values(), kind.batch("cpu").values(), strict=True))

@@ -26,9 +26,19 @@ RUN = {
     "git_commit": None,
     "git_dirty": None,
 }
-ENV = {"python": "3.11", "cpu": "x", "cpu_count": 2, "packages": {"torch": "2", "transformers": "5", "peft": "0", "accelerate": "1"},
-       "cuda_devices": [], "selected_cuda_device": None, "env": {}, "warnings": []}
-SIG = Signature("evaluate", "RuntimeError", "expected scalar type Float but found BFloat16", "torch.nn.modules.transformer:forward")
+ENV = {
+    "python": "3.11",
+    "cpu": "x",
+    "cpu_count": 2,
+    "packages": {"torch": "2", "transformers": "5", "peft": "0", "accelerate": "1"},
+    "cuda_devices": [],
+    "selected_cuda_device": None,
+    "env": {},
+    "warnings": [],
+}
+SIG = Signature(
+    "evaluate", "RuntimeError", "expected scalar type Float but found BFloat16", "torch.nn.modules.transformer:forward"
+)
 
 
 def failed(cell):
@@ -51,7 +61,10 @@ def test_results_json_follows_the_schema(tmp_path):
     document = json.loads((directory / "results.json").read_text())
     jsonschema.validate(document, SCHEMA)
     assert document["counts"] == {"passed": 1, "failed": 2, "skipped": 1}
-    assert document["signatures"][SIG.id]["cells"] == ["tiny-transformer-bf16-mixed-eval-cpu", "tiny-transformer-bf16-mixed-train-cpu"]
+    assert document["signatures"][SIG.id]["cells"] == [
+        "tiny-transformer-bf16-mixed-eval-cpu",
+        "tiny-transformer-bf16-mixed-train-cpu",
+    ]
 
 
 def test_schema_rejects_a_failed_cell_without_signature(tmp_path):

@@ -32,9 +32,15 @@ def test_unknown_value_names_valid_values():
 
 
 def test_every_precision_the_issue_names_exists():
-    assert {"fp32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true", "bf16-loaded-mixed", "fp16-loaded-mixed"} <= set(
-        AXES["precision"]
-    )
+    assert {
+        "fp32",
+        "fp16-mixed",
+        "bf16-mixed",
+        "bf16-true",
+        "fp16-true",
+        "bf16-loaded-mixed",
+        "fp16-loaded-mixed",
+    } <= set(AXES["precision"])
     assert set(AXES["model"]) >= {"tiny-transformer", "tiny-llama", "lora", "gemma-cache"}
     assert AXES["mode"] == ("train", "eval") and AXES["device"] == ("cpu", "cuda")
 
@@ -50,11 +56,22 @@ def test_cell_ids_read_like_the_cell_and_are_unique():
 def test_unknown_axis_value_is_a_usage_error_without_traceback(run_pytest):
     done = run_pytest("--model", "tiny-llama,gpt-5", "--collect-only", "-q")
     assert done.returncode == 4, done.stdout + done.stderr
-    assert "--model: unknown value 'gpt-5'; valid values: tiny-transformer, tiny-llama, lora, gemma-cache" in done.stderr
+    assert (
+        "--model: unknown value 'gpt-5'; valid values: tiny-transformer, tiny-llama, lora, gemma-cache" in done.stderr
+    )
     assert "Traceback" not in done.stdout + done.stderr
 
 
 def test_options_and_k_combine(run_pytest):
-    done = run_pytest("--device", "cpu", "--precision", "bf16-mixed,bf16-loaded-mixed", "-k", "bf16-mixed and eval", "--collect-only", "-q")
+    done = run_pytest(
+        "--device",
+        "cpu",
+        "--precision",
+        "bf16-mixed,bf16-loaded-mixed",
+        "-k",
+        "bf16-mixed and eval",
+        "--collect-only",
+        "-q",
+    )
     collected = sorted(line.split("[")[1].rstrip("]") for line in done.stdout.splitlines() if "::test_cell[" in line)
     assert collected == sorted(f"{m}-bf16-mixed-eval-cpu" for m in AXES["model"])

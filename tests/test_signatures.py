@@ -35,7 +35,7 @@ def test_noise_is_normalized_away(address, shape, parts, line):
         shape=list(shape),
         path="/" + "/".join(parts) + ".py",
         line=line,
-        mm="x".join(map(str, shape + [3])),
+        mm="x".join(map(str, [*shape, 3])),
     )
     reference = template.format(addr="0xdeadbeef", shape=[2, 8], path="/a/b.py", line=1, mm="2x3")
     assert normalize_message(message) == normalize_message(reference)
@@ -75,7 +75,9 @@ def test_ids_are_equal_exactly_when_texts_are(a, b):
 
 @pytest.mark.parametrize("field", ["phase", "exc_type", "message", "origin"])
 def test_every_field_changes_the_id(field):
-    base = Signature("evaluate", "RuntimeError", "expected scalar type Float but found Half", "torch.nn.modules.transformer:forward")
+    base = Signature(
+        "evaluate", "RuntimeError", "expected scalar type Float but found Half", "torch.nn.modules.transformer:forward"
+    )
     changed = Signature(**{**base.__dict__, field: getattr(base, field) + "X"})
     assert changed.id != base.id
     assert re.fullmatch(r"sig-[0-9a-f]{8}", base.id)
@@ -83,8 +85,14 @@ def test_every_field_changes_the_id(field):
 
 def test_id_is_a_pure_function_of_the_text():
     """The same bug on two machines gives the same id: nothing but the text goes in."""
-    sig = Signature("evaluate", "RuntimeError", "expected scalar type Float but found BFloat16", "torch.nn.modules.transformer:forward")
-    assert sig.text == "evaluate: RuntimeError: expected scalar type Float but found BFloat16 @ torch.nn.modules.transformer:forward"
+    sig = Signature(
+        "evaluate",
+        "RuntimeError",
+        "expected scalar type Float but found BFloat16",
+        "torch.nn.modules.transformer:forward",
+    )
+    expected = "evaluate: RuntimeError: expected scalar type Float but found BFloat16"
+    assert sig.text == expected + " @ torch.nn.modules.transformer:forward"
     assert sig.id == "sig-ae7859b7"
 
 

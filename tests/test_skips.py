@@ -6,8 +6,12 @@ import torch
 from matrix import devices
 from matrix.precisions import PRECISIONS
 
-OLD_GPU = ({"index": 0, "name": "Tesla T4", "compute_capability": "7.5", "total_memory_gib": 14.6, "native_bf16": False},)
-NEW_GPU = ({"index": 0, "name": "NVIDIA H100", "compute_capability": "9.0", "total_memory_gib": 79.1, "native_bf16": True},)
+OLD_GPU = (
+    {"index": 0, "name": "Tesla T4", "compute_capability": "7.5", "total_memory_gib": 14.6, "native_bf16": False},
+)
+NEW_GPU = (
+    {"index": 0, "name": "NVIDIA H100", "compute_capability": "9.0", "total_memory_gib": 79.1, "native_bf16": True},
+)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -42,7 +46,10 @@ def test_a_modern_gpu_runs_everything(monkeypatch, precision):
 
 def test_a_missing_gpu_index_is_named(monkeypatch):
     monkeypatch.setattr(devices, "cuda_devices", lambda: NEW_GPU)
-    assert devices.skip_reason("cuda", PRECISIONS["fp32"], cuda_index=3) == "Requires: [CUDA device cuda:3] (only 1 visible)"
+    assert (
+        devices.skip_reason("cuda", PRECISIONS["fp32"], cuda_index=3)
+        == "Requires: [CUDA device cuda:3] (only 1 visible)"
+    )
 
 
 def test_skip_reasons_reach_the_report(run_pytest, tmp_path):

@@ -8,7 +8,15 @@ import torch
 
 from matrix.models import base
 
-TOKEN_IDS = {
+# The config fields every tiny decoder shares (transformers' names for base.py's sizes).
+TINY_DECODER_CONFIG = {
+    "vocab_size": base.VOCAB_SIZE,
+    "hidden_size": base.HIDDEN_SIZE,
+    "intermediate_size": base.INTERMEDIATE_SIZE,
+    "num_hidden_layers": base.NUM_LAYERS,
+    "num_attention_heads": base.NUM_HEADS,
+    "num_key_value_heads": base.NUM_KV_HEADS,
+    "max_position_embeddings": base.MAX_POSITIONS,
     "pad_token_id": base.PAD_TOKEN_ID,
     "bos_token_id": base.BOS_TOKEN_ID,
     "eos_token_id": base.EOS_TOKEN_ID,

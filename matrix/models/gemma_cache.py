@@ -4,7 +4,7 @@ KV cache on in evaluation, and generate() as part of evaluating (seed 001's sett
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from matrix.models import base
-from matrix.models.causal_lm import TOKEN_IDS, CausalLMKind
+from matrix.models.causal_lm import TINY_DECODER_CONFIG, CausalLMKind
 
 # Shorter than the longest sequence, so the sliding-window mask really cuts.
 SLIDING_WINDOW = 4
@@ -19,16 +19,9 @@ class GemmaCache(CausalLMKind):
 
     def config(self):
         return Gemma3TextConfig(
-            vocab_size=base.VOCAB_SIZE,
-            hidden_size=base.HIDDEN_SIZE,
-            intermediate_size=base.INTERMEDIATE_SIZE,
-            num_hidden_layers=base.NUM_LAYERS,
-            num_attention_heads=base.NUM_HEADS,
-            num_key_value_heads=base.NUM_KV_HEADS,
+            **TINY_DECODER_CONFIG,
             head_dim=base.HEAD_DIM,
             sliding_window=SLIDING_WINDOW,
             layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=base.MAX_POSITIONS,
             use_cache=True,
-            **TOKEN_IDS,
         )

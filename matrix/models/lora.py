@@ -8,7 +8,6 @@ precision's weights dtype, and the report records the adapters' dtype.
 from pathlib import Path
 
 import torch
-
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from matrix.models.base import INIT_SEED
