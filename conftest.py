@@ -31,11 +31,12 @@ from matrix.cells import (
     parse_selection,
 )
 from matrix.devices import skip_reason
+from matrix.engines import ENGINES
 from matrix.precisions import PRECISIONS
 
 transformers.utils.logging.disable_progress_bar()
 
-AXES = ("model", "precision", "mode", "device")
+AXES = ("model", "precision", "mode", "device", "engine")
 AXES_PROPERTY = "matrix_cell"
 RESULT_PROPERTY = "matrix_result"
 selection_key = pytest.StashKey[dict]()
@@ -97,7 +98,8 @@ def pytest_generate_tests(metafunc):
     cuda_index = metafunc.config.getoption("matrix_cuda_device")
     params = []
     for cell in enumerate_cells(metafunc.config.stash[selection_key]):
-        reason = skip_reason(cell.device, PRECISIONS[cell.precision], cuda_index)
+        precision = PRECISIONS[cell.precision]
+        reason = ENGINES[cell.engine].unsupported_reason(precision) or skip_reason(cell.device, precision, cuda_index)
         marks = [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
         params.append(pytest.param(cell, id=cell.id, marks=marks))
     metafunc.parametrize("cell", params)

@@ -1,4 +1,4 @@
-"""A cell is one point of the matrix: model x precision x mode x device."""
+"""A cell is one point of the matrix: model x precision x mode x device x engine."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ class Cell:
     precision: str
     mode: str
     device: str
+    engine: str = "torch"
 
     @property
     def id(self) -> str:
-        """Reads like the cell it runs: gemma-cache-bf16-mixed-eval-cpu."""
-        return f"{self.model}-{self.precision}-{self.mode}-{self.device}"
+        """Reads like the cell it runs: gemma-cache-bf16-mixed-eval-cpu-hf-trainer."""
+        return f"{self.model}-{self.precision}-{self.mode}-{self.device}-{self.engine}"
 
     def axes(self) -> dict[str, str]:
         return asdict(self)
@@ -31,9 +32,16 @@ class SelectionError(ValueError):
 
 
 def axis_values() -> dict[str, tuple[str, ...]]:
+    from matrix.engines import ENGINES
     from matrix.models import MODELS  # registered kinds, including downstream ones
 
-    return {"model": tuple(MODELS), "precision": tuple(PRECISIONS), "mode": MODES, "device": DEVICES}
+    return {
+        "model": tuple(MODELS),
+        "precision": tuple(PRECISIONS),
+        "mode": MODES,
+        "device": DEVICES,
+        "engine": tuple(ENGINES),
+    }
 
 
 def parse_selection(axis: str, text: str | None) -> tuple[str, ...]:
@@ -52,11 +60,11 @@ def parse_selection(axis: str, text: str | None) -> tuple[str, ...]:
 
 
 def enumerate_cells(selection: dict[str, tuple[str, ...]]) -> list[Cell]:
-    """Every combination of the selected values, grouped by device, then mode, then model."""
+    """Every combination of the selected values, grouped by device, engine, mode, then model."""
     return [
-        Cell(model=model, precision=precision, mode=mode, device=device)
-        for device, mode, model, precision in itertools.product(
-            selection["device"], selection["mode"], selection["model"], selection["precision"]
+        Cell(model=model, precision=precision, mode=mode, device=device, engine=engine)
+        for device, engine, mode, model, precision in itertools.product(
+            selection["device"], selection["engine"], selection["mode"], selection["model"], selection["precision"]
         )
     ]
 

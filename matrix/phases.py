@@ -1,10 +1,14 @@
-"""What a cell runs, phase by phase, and the result it hands to the report.
+"""What every cell runs, phase by phase, whatever the engine, and the result it hands to the
+report.
 
 train: train_steps -> mid_training_eval -> checkpoint_save -> checkpoint_reload -> resumed_step
 eval:  evaluate -> checkpoint_save -> checkpoint_reload
 
-The first phase that raises ends the cell; its exception becomes the signature. Phases after
-it are recorded as not run. Nothing is caught that is not recorded.
+An engine (matrix/engines/) supplies one function per phase name. The first phase that raises
+ends the cell; its exception becomes the signature. Where a library runs several phases in
+one call (Trainer.train() steps, evaluates and saves), the engine tags the exception with the
+phase the library was in (`matrix_phase`), and the phases before it count as passed.
+Phases after the failing one are recorded as not run. Nothing is caught that is not recorded.
 """
 
 from __future__ import annotations
@@ -25,13 +29,12 @@ from matrix.precisions import PRECISIONS, Precision, dtype_name
 from matrix.signatures import Signature, signature_of
 from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance
 
+PHASE_NAMES: dict[str, tuple[str, ...]] = {
+    "train": ("train_steps", "mid_training_eval", "checkpoint_save", "checkpoint_reload", "resumed_step"),
+    "eval": ("evaluate", "checkpoint_save", "checkpoint_reload"),
+}
 TRAIN_STEPS = 3  # optimizer steps actually applied
-# GradScaler starts at 2**16 and halves the scale on every overflow, skipping that step by
-# design; on these tiny models the first few fp16 steps overflow. Attempts are capped so
-# a scaler that never recovers is a failure, not a hang.
-MAX_STEP_ATTEMPTS = 16
 LEARNING_RATE = 1e-2
-TRAINER_STATE_FILE = "trainer_state.pt"
 
 
 @dataclass
@@ -62,6 +65,7 @@ class CellState:
     scaler: torch.amp.GradScaler | None = None
     batch: dict | None = None
     outputs_before_save: torch.Tensor | None = None
+    engine_state: dict = field(default_factory=dict)  # what an engine keeps between its phases
 
     @property
     def device_type(self) -> str:
@@ -71,6 +75,7 @@ class CellState:
         self.model = self.kind.build(self.precision, self.device, self.workdir)
         self.batch = self.kind.batch(self.device)
         self.metrics["effective"] = effective_settings(self)
+        watch_first_forward(self, self.model)
         checks.check_dtypes(self.kind.precision_weights(self.model), self.precision.weights_dtype, "after build")
 
     def new_optimizer(self, model) -> torch.optim.Optimizer:
@@ -98,69 +103,40 @@ def effective_settings(state: CellState) -> dict:
     }
 
 
-# ---------------------------------------------------------------- train phases
+def watch_first_forward(state: CellState, model) -> None:
+    """Record the autocast state in force inside the model's first forward.
+
+    The hook sits on the first Linear, inside whatever wrapper an engine puts around the
+    model's forward, so it sees what the engine really does (accelerate does not autocast to
+    fp16 on a CPU; Lightning turns 16-mixed into bf16 there), not what was asked for.
+    """
+    first_linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
+    if first_linear is None:
+        return
+
+    def observe(module, args):
+        enabled = torch.is_autocast_enabled(state.device_type)
+        dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
+        state.metrics["effective"]["autocast_dtype_in_forward"] = dtype_name(dtype) if dtype else None
+        state.metrics["effective"]["first_linear_input_dtype"] = next(
+            (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
+        )
+        handle.remove()
+
+    handle = first_linear.register_forward_pre_hook(observe)
 
 
-def _train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
-    """One optimizer step. Returns (loss, whether the step was applied)."""
-    optimizer.zero_grad(set_to_none=True)
-    with state.precision.autocast(state.device_type):
-        loss = state.kind.loss(model, state.batch)
-    value = checks.check_finite_loss(loss, "training loss")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if scaler is None:
-        loss.backward()
-        checks.check_finite_gradients(named)
-        optimizer.step()
-        applied = True
-    else:
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
-        overflow = bool(checks.nonfinite_gradients(named))  # such a step is skipped by design
-        scaler.step(optimizer)
-        scaler.update()
-        applied = not overflow
-    checks.check_finite_parameters(named, "after the optimizer step")
-    return value, applied
+# ---------------------------------------------------------------- shared checks
 
 
-def _train_until_applied(state: CellState, model, optimizer, scaler, steps: int) -> list[float]:
-    losses, skipped = [], 0
-    while len(losses) - skipped < steps:
-        if len(losses) == MAX_STEP_ATTEMPTS:
-            raise checks.NonFiniteValue(
-                "gradients kept overflowing: the grad scaler skipped every step",
-                details=f"{skipped} of {len(losses)} attempts skipped, scale now {scaler.get_scale()}",
-            )
-        loss, applied = _train_step(state, model, optimizer, scaler)
-        losses.append(loss)
-        skipped += not applied
-    state.metrics["steps_skipped_by_grad_scaler"] = state.metrics.get("steps_skipped_by_grad_scaler", 0) + skipped
-    return losses
-
-
-def train_steps(state: CellState) -> None:
-    state.build()
-    state.model.train()
-    state.optimizer = state.new_optimizer(state.model)
-    state.scaler = state.precision.make_grad_scaler(state.device_type)
-    trainable = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
-    dtypes = checks.tensor_dtypes(state.model)
-    state.metrics["train_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, TRAIN_STEPS)
-    checks.check_parameters_changed(trainable, state.model)
-    checks.check_same_dtypes(dtypes, state.model, "after training")
-    checks.check_dtypes(state.kind.precision_weights(state.model), state.precision.weights_dtype, "after training")
-    if state.scaler is not None:
-        state.metrics["grad_scale"] = state.scaler.get_scale()
-
-
-def _evaluate(state: CellState, model):
+def evaluate_in_precision(state: CellState, model):
+    """Evaluation as the precision defines it: eval mode, no_grad, the precision's autocast."""
     model.eval()
     with torch.no_grad(), state.precision.autocast(state.device_type):
         return state.kind.evaluate(model, state.batch)
 
 
-def _check_against_fp32(state: CellState, result, label: str) -> None:
+def check_against_fp32(state: CellState, result, label: str) -> None:
     """Evaluation loss vs an fp32 copy of the same weights on the same batch, no autocast."""
     reference_model = copy.deepcopy(state.model).to(torch.float32)
     reference_model.eval()
@@ -188,70 +164,33 @@ def _check_against_fp32(state: CellState, result, label: str) -> None:
     checks.check_within_tolerance(f"{label} loss", value, ref_value, tolerance)
 
 
-def mid_training_eval(state: CellState) -> None:
-    result = _evaluate(state, state.model)
-    _check_against_fp32(state, result, "mid-training eval")
-    state.model.train()
+def snapshot_trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def evaluate(state: CellState) -> None:
-    state.build()
-    result = _evaluate(state, state.model)
-    _check_against_fp32(state, result, "eval")
+def check_training_contract(state: CellState, model, trainable_before, dtypes_before) -> None:
+    """After training: parameters changed, stayed finite, kept their dtypes and the precision's."""
+    checks.check_finite_parameters(list(model.named_parameters()), "after training")
+    checks.check_parameters_changed(trainable_before, model)
+    checks.check_same_dtypes(dtypes_before, model, "after training")
+    checks.check_dtypes(state.kind.precision_weights(model), state.precision.weights_dtype, "after training")
 
 
-def checkpoint_save(state: CellState) -> None:
-    state.outputs_before_save = _evaluate(state, state.model).logits
-    directory = state.workdir / "checkpoint"
-    directory.mkdir(parents=True, exist_ok=True)
-    state.kind.save(state.model, directory)
-    if state.optimizer is not None:
-        trainer_state = {"optimizer": state.optimizer.state_dict()}
-        if state.scaler is not None:
-            trainer_state["grad_scaler"] = state.scaler.state_dict()
-        torch.save(trainer_state, directory / TRAINER_STATE_FILE)
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
-
-
-def checkpoint_reload(state: CellState) -> None:
-    directory = state.workdir / "checkpoint"
-    dtypes = checks.tensor_dtypes(state.model)
-    reloaded = state.kind.load(directory, state.precision, state.device, state.workdir)
-    checks.check_same_dtypes(dtypes, reloaded, "after reload")
-    outputs = _evaluate(state, reloaded).logits
+def check_reload(state: CellState, reloaded) -> None:
+    """A fresh model from the checkpoint reproduces the dtypes and the outputs, bit for bit."""
+    checks.check_same_dtypes(checks.tensor_dtypes(state.model), reloaded, "after reload")
+    outputs = evaluate_in_precision(state, reloaded).logits
     state.metrics["reload_max_abs_difference"] = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP
     )
-    if state.optimizer is not None:
-        # Trainer state holds only tensors and plain containers: no arbitrary unpickling.
-        trainer_state = torch.load(directory / TRAINER_STATE_FILE, weights_only=True, map_location=state.device)
-        optimizer = state.new_optimizer(reloaded)
-        optimizer.load_state_dict(trainer_state["optimizer"])
-        scaler = state.precision.make_grad_scaler(state.device_type)
-        if scaler is not None:
-            scaler.load_state_dict(trainer_state["grad_scaler"])
-        state.optimizer, state.scaler = optimizer, scaler
-    state.model = reloaded
 
 
-def resumed_step(state: CellState) -> None:
-    state.model.train()
-    before = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
-    state.metrics["resumed_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, 1)
-    checks.check_parameters_changed(before, state.model)
-
-
-PHASES: dict[str, tuple] = {
-    "train": (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step),
-    "eval": (evaluate, checkpoint_save, checkpoint_reload),
-}
-
-
-def phase_names(mode: str) -> list[str]:
-    return [phase.__name__ for phase in PHASES[mode]]
+# ---------------------------------------------------------------- running a cell
 
 
 def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0) -> CellResult:
+    from matrix.engines import ENGINES
+
     precision = PRECISIONS[cell.precision]
     state = CellState(
         cell=cell,
@@ -261,21 +200,31 @@ def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0) -> CellResult:
         workdir=workdir,
         metrics={"declared": precision.settings()},
     )
+    engine = ENGINES[cell.engine]
+    state.metrics["engine_settings"] = engine.settings(precision)
+    phases = engine.phases(cell.mode)
+    names = PHASE_NAMES[cell.mode]
     result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
-    result.phases = {name: "not run" for name in phase_names(cell.mode)}
+    result.phases = {name: "not run" for name in names}
     start = time.perf_counter()
-    for phase in PHASES[cell.mode]:
-        try:
-            phase(state)
-        except Exception as exc:  # recorded below: signature, message and full traceback
-            result.outcome, result.phase = "failed", phase.__name__
-            result.signature = signature_of(phase.__name__, exc)
-            result.message = f"{type(exc).__name__}: {exc}"
-            if getattr(exc, "details", None):
-                result.message += f" ({exc.details})"
-            result.traceback = "".join(traceback.format_exception(exc))
-            result.phases[phase.__name__] = "failed"
-            break
-        result.phases[phase.__name__] = "passed"
+    try:
+        for name in names:
+            try:
+                phases[name](state)
+            except Exception as exc:  # recorded below: signature, message and full traceback
+                failed = getattr(exc, "matrix_phase", None) or name
+                for earlier in names[names.index(name) : names.index(failed)]:
+                    result.phases[earlier] = "passed"
+                result.outcome, result.phase = "failed", failed
+                result.signature = signature_of(failed, exc)
+                result.message = f"{type(exc).__name__}: {exc}"
+                if getattr(exc, "details", None):
+                    result.message += f" ({exc.details})"
+                result.traceback = "".join(traceback.format_exception(exc))
+                result.phases[failed] = "failed"
+                break
+            result.phases[name] = "passed"
+    finally:
+        engine.cleanup(state)
     result.duration_s = round(time.perf_counter() - start, 4)
     return result

@@ -87,7 +87,7 @@ def signature_index(records: list[dict]) -> dict[str, dict]:
 
 
 def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
-    records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["precision"]))
+    records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,
@@ -104,6 +104,18 @@ def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
 
 def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def ran_as_note(cell: dict) -> str:
+    """' (ran as fp32)' where the engine put another autocast dtype in force than declared."""
+    declared = cell["metrics"].get("declared", {}).get("autocast_dtype")
+    effective = cell["metrics"].get("effective", {})
+    if "autocast_dtype_in_forward" not in effective:
+        return ""
+    actual = effective["autocast_dtype_in_forward"]
+    if actual == declared:
+        return ""
+    return f" (ran {'without autocast' if actual is None else 'with ' + actual + ' autocast'})"
 
 
 def summary_markdown(document: dict) -> str:
@@ -142,23 +154,29 @@ def summary_markdown(document: dict) -> str:
         present = {c["model"] for c in group}
         models = [m for m in run.get("axes", {}).get("model", []) if m in present]
         models += sorted(present - set(models))
-        lines += ["", f"## {device} · {mode}", "", "| model | " + " | ".join(precisions) + " |"]
-        lines.append("|---|" + "---|" * len(precisions))
-        by_key = {(c["model"], c["precision"]): c for c in group}
+        engines_present = {c["engine"] for c in group}
+        engines = [e for e in run.get("axes", {}).get("engine", []) if e in engines_present]
+        engines += sorted(engines_present - set(engines))
+        lines += ["", f"## {device} · {mode}", "", "| model | engine | " + " | ".join(precisions) + " |"]
+        lines.append("|---|---|" + "---|" * len(precisions))
+        by_key = {(c["model"], c["engine"], c["precision"]): c for c in group}
         for model in models:
-            row = []
-            for precision in precisions:
-                cell = by_key.get((model, precision))
-                if cell is None:
-                    row.append("")
-                elif cell["outcome"] == "failed":
-                    row.append(f"❌ `{cell['signature']['id']}` ({cell['phase']})")
-                elif cell["outcome"] == "skipped":
-                    key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
-                    row.append(f"⏭️ {key}")
-                else:
-                    row.append("✅")
-            lines.append(f"| {model} | " + " | ".join(row) + " |")
+            for engine in engines:
+                row = []
+                for precision in precisions:
+                    cell = by_key.get((model, engine, precision))
+                    if cell is None:
+                        row.append("")
+                    elif cell["outcome"] == "failed":
+                        row.append(f"❌ `{cell['signature']['id']}` ({cell['phase']})")
+                    elif cell["outcome"] == "skipped":
+                        key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
+                        row.append(f"⏭️ {key}")
+                    else:
+                        row.append("✅")
+                    if cell is not None and cell["outcome"] != "skipped":
+                        row[-1] += ran_as_note(cell)
+                lines.append(f"| {model} | {engine} | " + " | ".join(row) + " |")
 
     if skip_reasons:
         lines += ["", "## Skip reasons", "", "| key | reason | cells |", "|---|---|---|"]
@@ -209,7 +227,7 @@ def junit_xml(document: dict) -> bytes:
         case = ElementTree.SubElement(
             suite,
             "testcase",
-            classname=f"matrix.{cell['device']}.{cell['mode']}",
+            classname=f"matrix.{cell['device']}.{cell['engine']}.{cell['mode']}",
             name=cell["id"],
             time=f"{cell['duration_s']:.3f}",
         )

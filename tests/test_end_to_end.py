@@ -19,10 +19,10 @@ def test_a_broken_custom_function_fails_with_its_signature_and_phase(run_pytest,
 
     # fp32 trains, evaluates and round-trips its checkpoint
     for mode in ("train", "eval"):
-        assert cells[f"broken-matmul-fp32-{mode}-cpu"]["outcome"] == "passed"
+        assert cells[f"broken-matmul-fp32-{mode}-cpu-torch"]["outcome"] == "passed"
     # bf16 autocast: evaluation has no backward, so it passes; training fails in backward
-    assert cells["broken-matmul-bf16-mixed-eval-cpu"]["outcome"] == "passed"
-    broken = cells["broken-matmul-bf16-mixed-train-cpu"]
+    assert cells["broken-matmul-bf16-mixed-eval-cpu-torch"]["outcome"] == "passed"
+    broken = cells["broken-matmul-bf16-mixed-train-cpu-torch"]
     assert broken["outcome"] == "failed"
     assert broken["phase"] == "train_steps"
     assert broken["phases"] == {
@@ -42,10 +42,10 @@ def test_a_broken_custom_function_fails_with_its_signature_and_phase(run_pytest,
 
     # the pytest failure message starts with the signature, then the re-run command
     lines = done.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("_") and "bf16-mixed-train-cpu]" in line)
+    header = next(i for i, line in enumerate(lines) if line.startswith("_") and "bf16-mixed-train-cpu-torch]" in line)
     first_lines = [line for line in lines[header + 1 :] if line.strip()][:2]
     assert first_lines[0].startswith(f"{signature['id']} train_steps: RuntimeError:")
-    assert first_lines[1] == "re-run: pytest 'cases/test_cells.py::test_cell[broken-matmul-bf16-mixed-train-cpu]'"
+    assert first_lines[1] == "re-run: pytest 'cases/test_cells.py::test_cell[broken-matmul-bf16-mixed-train-cpu-torch]'"
 
 
 def test_the_same_failure_gives_the_same_signature_in_two_runs(run_pytest, tmp_path):
@@ -86,10 +86,10 @@ def test_a_crashed_worker_still_leaves_its_cell_in_the_report(run_pytest, tmp_pa
     )
     assert done.returncode == 1, done.stdout[-3000:]
     cells = {c["id"]: c for c in load_results(tmp_path)["cells"]}
-    crashed = cells["crash-abort-fp32-train-cpu"]
+    crashed = cells["crash-abort-fp32-train-cpu-torch"]
     assert crashed["outcome"] == "failed"
     assert crashed["phase"] == "crash"
     assert crashed["signature"]["exception"] == "crash"
     assert "crashed" in crashed["signature"]["message"]
     # the other cell still ran, on a replacement worker
-    assert cells["broken-matmul-fp32-train-cpu"]["outcome"] == "passed"
+    assert cells["broken-matmul-fp32-train-cpu-torch"]["outcome"] == "passed"

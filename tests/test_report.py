@@ -62,8 +62,8 @@ def test_results_json_follows_the_schema(tmp_path):
     jsonschema.validate(document, SCHEMA)
     assert document["counts"] == {"passed": 1, "failed": 2, "skipped": 1}
     assert document["signatures"][SIG.id]["cells"] == [
-        "tiny-transformer-bf16-mixed-eval-cpu",
-        "tiny-transformer-bf16-mixed-train-cpu",
+        "tiny-transformer-bf16-mixed-eval-cpu-torch",
+        "tiny-transformer-bf16-mixed-train-cpu-torch",
     ]
 
 
@@ -78,7 +78,7 @@ def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
     directory = report.write_report(tmp_path, RUN, ENV, records())
     summary = (directory / "summary.md").read_text()
     assert "## cpu · eval" in summary and "## cuda · eval" in summary and "## cpu · train" in summary
-    assert f"| tiny-transformer | ❌ `{SIG.id}` (evaluate) |" in summary
+    assert f"| tiny-transformer | torch | ❌ `{SIG.id}` (evaluate) |" in summary
     assert "| S1 | Requires: [CUDA device] (none visible) | 1 |" in summary
     assert f"| `{SIG.id}` | evaluate |" in summary
     # models in registry order, not alphabetical
@@ -90,7 +90,7 @@ def test_junit_counts_and_escapes(tmp_path):
     directory = report.write_report(tmp_path, RUN, ENV, records())
     suite = ElementTree.parse(directory / "junit.xml").getroot()
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "2", "1")
-    failure = suite.find("testcase[@name='tiny-transformer-bf16-mixed-eval-cpu']/failure")
+    failure = suite.find("testcase[@name='tiny-transformer-bf16-mixed-eval-cpu-torch']/failure")
     assert failure.get("message").startswith(SIG.id)
     assert "<b>expected</b>" in failure.text
 

@@ -47,9 +47,9 @@ def test_every_precision_the_issue_names_exists():
 
 def test_cell_ids_read_like_the_cell_and_are_unique():
     cells = enumerate_cells(AXES)
-    assert Cell("gemma-cache", "bf16-mixed", "eval", "cpu").id == "gemma-cache-bf16-mixed-eval-cpu"
+    assert Cell("gemma-cache", "bf16-mixed", "eval", "cpu").id == "gemma-cache-bf16-mixed-eval-cpu-torch"
     ids = [c.id for c in cells]
-    assert len(ids) == len(set(ids)) == len(AXES["model"]) * len(AXES["precision"]) * 2 * 2
+    assert len(ids) == len(set(ids)) == len(AXES["model"]) * len(AXES["precision"]) * 2 * 2 * len(AXES["engine"])
     assert all(cell_from_id(c.id) == c for c in cells)
 
 
@@ -74,4 +74,4 @@ def test_options_and_k_combine(run_pytest):
         "-q",
     )
     collected = sorted(line.split("[")[1].rstrip("]") for line in done.stdout.splitlines() if "::test_cell[" in line)
-    assert collected == sorted(f"{m}-bf16-mixed-eval-cpu" for m in AXES["model"])
+    assert collected == sorted(f"{m}-bf16-mixed-eval-cpu-torch" for m in AXES["model"])

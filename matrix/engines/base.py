@@ -1,0 +1,42 @@
+"""What an engine provides: one function per phase name (matrix/phases.py PHASE_NAMES), the
+settings a precision becomes in the engine's own terms (matrix/engines/settings.py), and the
+clean-up of whatever global state the engine's library keeps."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from matrix.engines.settings import ENGINE_SETTINGS, Unsupported
+from matrix.phases import PHASE_NAMES, CellState
+from matrix.precisions import Precision
+
+Phase = Callable[[CellState], None]
+
+
+class Engine(abc.ABC):
+    name: str
+    description: str
+
+    @abc.abstractmethod
+    def phases(self, mode: str) -> dict[str, Phase]:
+        """Phase name -> function, for every phase of the mode."""
+
+    def phase_table(self, *functions: Phase) -> dict[str, Phase]:
+        table = {function.__name__: function for function in functions}
+        modes = [mode for mode, names in PHASE_NAMES.items() if tuple(table) == names]
+        if not modes:
+            raise ValueError(f"{self.name}: phases {tuple(table)} match no mode's {PHASE_NAMES}")
+        return table
+
+    def settings(self, precision: Precision) -> dict:
+        entry = ENGINE_SETTINGS[precision.name][self.name]
+        return {"unsupported": entry.reason} if isinstance(entry, Unsupported) else dict(entry)
+
+    def unsupported_reason(self, precision: Precision) -> str | None:
+        entry = ENGINE_SETTINGS[precision.name][self.name]
+        return entry.reason if isinstance(entry, Unsupported) else None
+
+    def cleanup(self, state: CellState) -> None:
+        """Reset the library's global state after a cell (the torch engine keeps none)."""
+        return None

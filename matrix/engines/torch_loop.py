@@ -1,0 +1,133 @@
+"""The torch engine: a hand-written loop with torch.autocast and torch.amp.GradScaler, the
+way the precisions are defined (matrix/precisions.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from matrix import checks
+from matrix.engines.base import Engine
+from matrix.phases import (
+    TRAIN_STEPS,
+    CellState,
+    check_against_fp32,
+    check_reload,
+    check_training_contract,
+    evaluate_in_precision,
+    snapshot_trainable,
+)
+
+# GradScaler starts at 2**16 and halves the scale on every overflow, skipping that step by
+# design; on these tiny models the first few fp16 steps overflow. Attempts are capped so
+# a scaler that never recovers is a failure, not a hang.
+MAX_STEP_ATTEMPTS = 16
+TRAINER_STATE_FILE = "trainer_state.pt"
+
+
+def _train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
+    """One optimizer step. Returns (loss, whether the step was applied)."""
+    optimizer.zero_grad(set_to_none=True)
+    with state.precision.autocast(state.device_type):
+        loss = state.kind.loss(model, state.batch)
+    value = checks.check_finite_loss(loss, "training loss")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if scaler is None:
+        loss.backward()
+        checks.check_finite_gradients(named)
+        optimizer.step()
+        applied = True
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
+        overflow = bool(checks.nonfinite_gradients(named))  # such a step is skipped by design
+        scaler.step(optimizer)
+        scaler.update()
+        applied = not overflow
+    checks.check_finite_parameters(named, "after the optimizer step")
+    return value, applied
+
+
+def _train_until_applied(state: CellState, model, optimizer, scaler, steps: int) -> list[float]:
+    losses, skipped = [], 0
+    while len(losses) - skipped < steps:
+        if len(losses) == MAX_STEP_ATTEMPTS:
+            raise checks.NonFiniteValue(
+                "gradients kept overflowing: the grad scaler skipped every step",
+                details=f"{skipped} of {len(losses)} attempts skipped, scale now {scaler.get_scale()}",
+            )
+        loss, applied = _train_step(state, model, optimizer, scaler)
+        losses.append(loss)
+        skipped += not applied
+    state.metrics["steps_skipped_by_grad_scaler"] = state.metrics.get("steps_skipped_by_grad_scaler", 0) + skipped
+    return losses
+
+
+def train_steps(state: CellState) -> None:
+    state.build()
+    state.model.train()
+    state.optimizer = state.new_optimizer(state.model)
+    state.scaler = state.precision.make_grad_scaler(state.device_type)
+    trainable = snapshot_trainable(state.model)
+    dtypes = checks.tensor_dtypes(state.model)
+    state.metrics["train_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, TRAIN_STEPS)
+    check_training_contract(state, state.model, trainable, dtypes)
+    if state.scaler is not None:
+        state.metrics["grad_scale"] = state.scaler.get_scale()
+
+
+def mid_training_eval(state: CellState) -> None:
+    result = evaluate_in_precision(state, state.model)
+    check_against_fp32(state, result, "mid-training eval")
+    state.model.train()
+
+
+def evaluate(state: CellState) -> None:
+    state.build()
+    result = evaluate_in_precision(state, state.model)
+    check_against_fp32(state, result, "eval")
+
+
+def checkpoint_save(state: CellState) -> None:
+    state.outputs_before_save = evaluate_in_precision(state, state.model).logits
+    directory = state.workdir / "checkpoint"
+    directory.mkdir(parents=True, exist_ok=True)
+    state.kind.save(state.model, directory)
+    if state.optimizer is not None:
+        trainer_state = {"optimizer": state.optimizer.state_dict()}
+        if state.scaler is not None:
+            trainer_state["grad_scaler"] = state.scaler.state_dict()
+        torch.save(trainer_state, directory / TRAINER_STATE_FILE)
+    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+
+
+def checkpoint_reload(state: CellState) -> None:
+    directory = state.workdir / "checkpoint"
+    reloaded = state.kind.load(directory, state.precision, state.device, state.workdir)
+    check_reload(state, reloaded)
+    if state.optimizer is not None:
+        # Trainer state holds only tensors and plain containers: no arbitrary unpickling.
+        trainer_state = torch.load(directory / TRAINER_STATE_FILE, weights_only=True, map_location=state.device)
+        optimizer = state.new_optimizer(reloaded)
+        optimizer.load_state_dict(trainer_state["optimizer"])
+        scaler = state.precision.make_grad_scaler(state.device_type)
+        if scaler is not None:
+            scaler.load_state_dict(trainer_state["grad_scaler"])
+        state.optimizer, state.scaler = optimizer, scaler
+    state.model = reloaded
+
+
+def resumed_step(state: CellState) -> None:
+    state.model.train()
+    before = snapshot_trainable(state.model)
+    state.metrics["resumed_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, 1)
+    checks.check_parameters_changed(before, state.model)
+
+
+class TorchEngine(Engine):
+    name = "torch"
+    description = "hand-written loop: torch.autocast, torch.amp.GradScaler, AdamW"
+
+    def phases(self, mode):
+        if mode == "train":
+            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
