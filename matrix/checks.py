@@ -43,6 +43,10 @@ class CheckpointMismatch(CheckFailure):
     pass
 
 
+class EngineDisagreement(CheckFailure):
+    pass
+
+
 def check_finite_loss(loss: torch.Tensor, what: str) -> float:
     value = loss.detach().float().item()
     if not math.isfinite(value):
@@ -130,3 +134,11 @@ def check_outputs_equal(what: str, expected: torch.Tensor, actual: torch.Tensor,
             details=f"{count} of {difference.numel()} values, max abs difference {worst:.3g}",
         )
     return worst
+
+
+def check_engine_agreement(what: str, value: float, torch_engine_value: float, tolerance: Tolerance) -> None:
+    if not math.isfinite(value) or not tolerance.allows(value, torch_engine_value):
+        raise EngineDisagreement(
+            f"{what} disagrees with the torch engine's beyond tolerance",
+            details=f"{value:.6g} vs {torch_engine_value:.6g} (atol {tolerance.atol:g}, rtol {tolerance.rtol:g})",
+        )

@@ -13,7 +13,6 @@ Phases after the failing one are recorded as not run. Nothing is caught that is 
 
 from __future__ import annotations
 
-import copy
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,6 +34,10 @@ PHASE_NAMES: dict[str, tuple[str, ...]] = {
 }
 TRAIN_STEPS = 3  # optimizer steps actually applied
 LEARNING_RATE = 1e-2
+# GradScaler starts at 2**16 and halves the scale on every overflow, skipping that step by
+# design; on these tiny models the first few fp16 steps overflow. Attempts are capped so
+# a scaler that never recovers is a failure, not a hang.
+MAX_STEP_ATTEMPTS = 16
 
 
 @dataclass
@@ -106,13 +109,12 @@ def effective_settings(state: CellState) -> dict:
 def watch_first_forward(state: CellState, model) -> None:
     """Record the autocast state in force inside the model's first forward.
 
-    The hook sits on the first Linear, inside whatever wrapper an engine puts around the
-    model's forward, so it sees what the engine really does (accelerate does not autocast to
-    fp16 on a CPU; Lightning turns 16-mixed into bf16 there), not what was asked for.
+    The hooks sit on the Linear layers, inside whatever wrapper an engine puts around the
+    model's forward, so they see what the engine really does (accelerate does not autocast
+    to fp16 on a CPU; Lightning turns 16-mixed into bf16 there), not what was asked for. The
+    first Linear actually called reports; then every hook is removed.
     """
-    first_linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
-    if first_linear is None:
-        return
+    handles = []
 
     def observe(module, args):
         enabled = torch.is_autocast_enabled(state.device_type)
@@ -121,9 +123,12 @@ def watch_first_forward(state: CellState, model) -> None:
         state.metrics["effective"]["first_linear_input_dtype"] = next(
             (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
         )
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
-    handle = first_linear.register_forward_pre_hook(observe)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(observe))
 
 
 # ---------------------------------------------------------------- shared checks
@@ -136,10 +141,20 @@ def evaluate_in_precision(state: CellState, model):
         return state.kind.evaluate(model, state.batch)
 
 
-def check_against_fp32(state: CellState, result, label: str) -> None:
+def fp32_reference_model(state: CellState, model):
+    """A fresh fp32 model of the same kind holding the same weights, upcast.
+
+    Built anew rather than copied, so that nothing an engine wrapped around the model (an
+    autocast forward, an output converter) comes along.
+    """
+    reference = state.kind.build(PRECISIONS["fp32"], state.device, state.workdir)
+    reference.load_state_dict({name: tensor.float() for name, tensor in model.state_dict().items()})
+    return reference.eval()
+
+
+def check_against_fp32(state: CellState, result, label: str, model=None) -> None:
     """Evaluation loss vs an fp32 copy of the same weights on the same batch, no autocast."""
-    reference_model = copy.deepcopy(state.model).to(torch.float32)
-    reference_model.eval()
+    reference_model = fp32_reference_model(state, state.model if model is None else model)
     with torch.no_grad():
         reference = state.kind.evaluate(reference_model, state.batch)
     value = checks.check_finite_loss(result.loss, f"{label} loss")
@@ -164,6 +179,51 @@ def check_against_fp32(state: CellState, result, label: str) -> None:
     checks.check_within_tolerance(f"{label} loss", value, ref_value, tolerance)
 
 
+def train_until_applied(state: CellState, step, steps: int) -> list[float]:
+    """Call step() -> (loss, applied) until `steps` optimizer steps were applied."""
+    losses, skipped = [], 0
+    while len(losses) - skipped < steps:
+        if len(losses) == MAX_STEP_ATTEMPTS:
+            raise checks.NonFiniteValue(
+                "gradients kept overflowing: the grad scaler skipped every step",
+                details=f"{skipped} of {len(losses)} attempts skipped",
+            )
+        loss, applied = step()
+        losses.append(loss)
+        skipped += not applied
+    state.metrics["steps_skipped_by_grad_scaler"] = state.metrics.get("steps_skipped_by_grad_scaler", 0) + skipped
+    return losses
+
+
+def torch_engine_loss(state: CellState, mode: str) -> float:
+    """The loss the torch engine computes first, on a fresh model: the cross-engine yardstick."""
+    model = state.kind.build(state.precision, state.device, state.workdir)
+    if mode == "train":
+        model.train()
+        with torch.no_grad(), state.precision.autocast(state.device_type):
+            return state.kind.loss(model, state.batch).float().item()
+    return evaluate_in_precision(state, model).loss.float().item()
+
+
+def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> None:
+    if state.cell.engine == "torch":
+        return
+    try:
+        reference = torch_engine_loss(state, mode)
+    except Exception as exc:  # the yardstick itself fails: that is the torch engine cell's finding
+        state.metrics["cross_engine"] = {"torch_engine_error": signature_of("torch engine", exc).text}
+        return
+    tolerance = eval_loss_tolerance(state.cell.model, state.precision.compute_dtype)
+    key = "first_step_loss" if mode == "train" else "eval_loss"
+    state.metrics["cross_engine"] = {
+        f"{key}": loss,
+        f"torch_engine_{key}": reference,
+        "spread_abs": abs(loss - reference),
+        "tolerance": tolerance.as_dict(),
+    }
+    checks.check_engine_agreement(key.replace("_", " "), loss, reference, tolerance)
+
+
 def snapshot_trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -176,10 +236,14 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     checks.check_dtypes(state.kind.precision_weights(model), state.precision.weights_dtype, "after training")
 
 
-def check_reload(state: CellState, reloaded) -> None:
-    """A fresh model from the checkpoint reproduces the dtypes and the outputs, bit for bit."""
+def check_reload(state: CellState, reloaded, evaluate=None) -> None:
+    """A fresh model from the checkpoint reproduces the dtypes and the outputs, bit for bit.
+
+    `evaluate` must be the way state.outputs_before_save was computed (default: the
+    precision's own autocast).
+    """
     checks.check_same_dtypes(checks.tensor_dtypes(state.model), reloaded, "after reload")
-    outputs = evaluate_in_precision(state, reloaded).logits
+    outputs = (evaluate or evaluate_in_precision)(state, reloaded).logits
     state.metrics["reload_max_abs_difference"] = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP
     )

@@ -3,9 +3,10 @@ run the real library (accelerate, the transformers Trainer, Lightning)."""
 
 from __future__ import annotations
 
+from matrix.engines.accelerate_loop import AccelerateEngine
 from matrix.engines.base import Engine
 from matrix.engines.torch_loop import TorchEngine
 
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TorchEngine(),)}
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TorchEngine(), AccelerateEngine())}
 
 __all__ = ["ENGINES", "Engine"]

@@ -15,12 +15,9 @@ from matrix.phases import (
     check_training_contract,
     evaluate_in_precision,
     snapshot_trainable,
+    train_until_applied,
 )
 
-# GradScaler starts at 2**16 and halves the scale on every overflow, skipping that step by
-# design; on these tiny models the first few fp16 steps overflow. Attempts are capped so
-# a scaler that never recovers is a failure, not a hang.
-MAX_STEP_ATTEMPTS = 16
 TRAINER_STATE_FILE = "trainer_state.pt"
 
 
@@ -47,21 +44,6 @@ def _train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool
     return value, applied
 
 
-def _train_until_applied(state: CellState, model, optimizer, scaler, steps: int) -> list[float]:
-    losses, skipped = [], 0
-    while len(losses) - skipped < steps:
-        if len(losses) == MAX_STEP_ATTEMPTS:
-            raise checks.NonFiniteValue(
-                "gradients kept overflowing: the grad scaler skipped every step",
-                details=f"{skipped} of {len(losses)} attempts skipped, scale now {scaler.get_scale()}",
-            )
-        loss, applied = _train_step(state, model, optimizer, scaler)
-        losses.append(loss)
-        skipped += not applied
-    state.metrics["steps_skipped_by_grad_scaler"] = state.metrics.get("steps_skipped_by_grad_scaler", 0) + skipped
-    return losses
-
-
 def train_steps(state: CellState) -> None:
     state.build()
     state.model.train()
@@ -69,7 +51,9 @@ def train_steps(state: CellState) -> None:
     state.scaler = state.precision.make_grad_scaler(state.device_type)
     trainable = snapshot_trainable(state.model)
     dtypes = checks.tensor_dtypes(state.model)
-    state.metrics["train_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, TRAIN_STEPS)
+    state.metrics["train_losses"] = train_until_applied(
+        state, lambda: _train_step(state, state.model, state.optimizer, state.scaler), TRAIN_STEPS
+    )
     check_training_contract(state, state.model, trainable, dtypes)
     if state.scaler is not None:
         state.metrics["grad_scale"] = state.scaler.get_scale()
@@ -119,7 +103,9 @@ def checkpoint_reload(state: CellState) -> None:
 def resumed_step(state: CellState) -> None:
     state.model.train()
     before = snapshot_trainable(state.model)
-    state.metrics["resumed_losses"] = _train_until_applied(state, state.model, state.optimizer, state.scaler, 1)
+    state.metrics["resumed_losses"] = train_until_applied(
+        state, lambda: _train_step(state, state.model, state.optimizer, state.scaler), 1
+    )
     checks.check_parameters_changed(before, state.model)
 
 

@@ -1,0 +1,135 @@
+"""The accelerate engine: Accelerator(mixed_precision=...), prepare, accelerator.backward,
+evaluation through the prepared model, save_state / load_state.
+
+accelerate puts autocast around the prepared model's forward and converts its outputs to
+fp32 (convert_outputs_to_fp32): evaluation, generate() included, goes through that wrapper,
+as it does under the transformers Trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from matrix import checks
+from matrix.engines.base import Engine
+from matrix.phases import (
+    TRAIN_STEPS,
+    CellState,
+    check_against_fp32,
+    check_agrees_with_torch_engine,
+    check_reload,
+    check_training_contract,
+    snapshot_trainable,
+    train_until_applied,
+)
+
+
+def _accelerator(state: CellState) -> Accelerator:
+    if state.device.type == "cuda":
+        torch.cuda.set_device(state.device)
+    settings = state.metrics["engine_settings"]
+    accelerator = Accelerator(mixed_precision=settings["mixed_precision"], cpu=state.device.type == "cpu")
+    state.metrics["engine_effective"] = {
+        "mixed_precision": accelerator.mixed_precision,
+        "native_amp": accelerator.native_amp,
+        "grad_scaler": accelerator.scaler is not None,
+        "device": str(accelerator.device),
+    }
+    return accelerator
+
+
+def _reset_accelerate(state: CellState) -> None:
+    """The Accelerator's state is a process-wide singleton: forget it."""
+    state.engine_state.pop("accelerator", None)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _prepare(state: CellState, model, with_optimizer: bool):
+    accelerator = state.engine_state.get("accelerator") or _accelerator(state)
+    state.engine_state["accelerator"] = accelerator
+    if not with_optimizer:
+        return accelerator.prepare(model), None
+    optimizer = state.new_optimizer(model)
+    return accelerator.prepare(model, optimizer)
+
+
+def _step(state: CellState, model, optimizer) -> tuple[float, bool]:
+    accelerator = state.engine_state["accelerator"]
+    optimizer.zero_grad(set_to_none=True)
+    loss = state.kind.loss(model, state.batch)  # autocast comes from the prepared forward
+    value = checks.check_finite_loss(loss, "training loss")
+    accelerator.backward(loss)
+    optimizer.step()
+    applied = not accelerator.optimizer_step_was_skipped
+    checks.check_finite_parameters(list(model.named_parameters()), "after the optimizer step")
+    return value, applied
+
+
+def _evaluate(state: CellState, model):
+    model.eval()
+    with torch.no_grad():
+        return state.kind.evaluate(model, state.batch)
+
+
+def train_steps(state: CellState) -> None:
+    state.build()
+    state.model.train()
+    trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
+    state.model, state.optimizer = _prepare(state, state.model, with_optimizer=True)
+    losses = train_until_applied(state, lambda: _step(state, state.model, state.optimizer), TRAIN_STEPS)
+    state.metrics["train_losses"] = losses
+    check_training_contract(state, state.model, trainable, dtypes)
+    check_agrees_with_torch_engine(state, losses[0], "train")
+
+
+def mid_training_eval(state: CellState) -> None:
+    check_against_fp32(state, _evaluate(state, state.model), "mid-training eval")
+    state.model.train()
+
+
+def evaluate(state: CellState) -> None:
+    state.build()
+    state.model, _ = _prepare(state, state.model, with_optimizer=False)
+    result = _evaluate(state, state.model)
+    check_against_fp32(state, result, "eval")
+    check_agrees_with_torch_engine(state, result.loss.float().item(), "eval")
+
+
+def checkpoint_save(state: CellState) -> None:
+    state.outputs_before_save = _evaluate(state, state.model).logits
+    directory = state.workdir / "accelerate-state"
+    state.engine_state["accelerator"].save_state(str(directory))
+    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+
+
+def checkpoint_reload(state: CellState) -> None:
+    # A resumed run starts a new Accelerator, as a new process would.
+    _reset_accelerate(state)
+    fresh = state.kind.build(state.precision, state.device, state.workdir)
+    fresh, optimizer = _prepare(state, fresh, with_optimizer=state.optimizer is not None)
+    state.engine_state["accelerator"].load_state(str(state.workdir / "accelerate-state"))
+    check_reload(state, fresh, evaluate=_evaluate)
+    state.model, state.optimizer = fresh, optimizer
+
+
+def resumed_step(state: CellState) -> None:
+    state.model.train()
+    before = snapshot_trainable(state.model)
+    state.metrics["resumed_losses"] = train_until_applied(state, lambda: _step(state, state.model, state.optimizer), 1)
+    checks.check_parameters_changed(before, state.model)
+
+
+class AccelerateEngine(Engine):
+    name = "accelerate"
+    description = "accelerate.Accelerator: prepare, backward, save_state/load_state"
+
+    def phases(self, mode):
+        if mode == "train":
+            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+
+    def cleanup(self, state: CellState) -> None:
+        _reset_accelerate(state)
