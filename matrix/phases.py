@@ -224,6 +224,14 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
     checks.check_engine_agreement(key.replace("_", " "), loss, reference, tolerance)
 
 
+def same_weights_copy(state: CellState, model):
+    """A fresh model of the kind in the precision, holding `model`'s weights: free of any
+    forward wrapper a library put on `model`, so outputs compare like with like."""
+    copy_ = state.kind.build(state.precision, state.device, state.workdir)
+    copy_.load_state_dict(model.state_dict())
+    return copy_
+
+
 def snapshot_trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from matrix.engines.accelerate_loop import AccelerateEngine
 from matrix.engines.base import Engine
+from matrix.engines.hf_trainer import HFTrainerEngine
 from matrix.engines.torch_loop import TorchEngine
 
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TorchEngine(), AccelerateEngine())}
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TorchEngine(), AccelerateEngine(), HFTrainerEngine())}
 
 __all__ = ["ENGINES", "Engine"]

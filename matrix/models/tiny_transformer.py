@@ -34,11 +34,15 @@ class EncoderClassifier(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, num_layers=base.NUM_LAYERS)
         self.head = nn.Linear(base.HIDDEN_SIZE, NUM_CLASSES)
 
-    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, labels: torch.Tensor | None = None):
+        """Logits; with labels, a {"loss", "logits"} dict as the transformers Trainer expects."""
         hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask)
         keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1)
-        return self.head(pooled)
+        logits = self.head(pooled)
+        if labels is None:
+            return logits
+        return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
 
 
 class TinyTransformer(base.ModelKind):

@@ -1,0 +1,239 @@
+"""The hf-trainer engine: transformers Trainer + TrainingArguments (fp16/bf16 flags, use_cpu
+without a GPU, evaluation and saving on a step schedule, resume_from_checkpoint).
+
+Trainer.train() runs several phases in one call (steps, then evaluation and a checkpoint at
+step 3); a callback follows which one it is in, so a failure is attributed to its phase.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from matrix import checks
+from matrix.engines.base import Engine
+from matrix.phases import (
+    LEARNING_RATE,
+    TRAIN_STEPS,
+    CellState,
+    check_against_fp32,
+    check_agrees_with_torch_engine,
+    check_reload,
+    check_training_contract,
+    evaluate_in_precision,
+    same_weights_copy,
+    snapshot_trainable,
+)
+
+
+class Rows(torch.utils.data.Dataset):
+    """The cell's fixed batch as a dataset of rows; the collator stacks them back."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.rows = [{k: v[i].cpu() for k, v in batch.items()} for i in range(len(next(iter(batch.values()))))]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+def stack_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+class PhaseTracker(TrainerCallback):
+    """Which of the cell's phases Trainer.train() is in."""
+
+    def __init__(self) -> None:
+        self.phase = "train_steps"
+        self.eval_metrics: dict | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.eval_steps and state.global_step % args.eval_steps == 0:
+            self.phase = "mid_training_eval"  # evaluation follows this step
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.eval_metrics = dict(metrics or {})
+        self.phase = "checkpoint_save"  # the save follows the evaluation
+
+    def on_save(self, args, state, control, **kwargs):
+        self.phase = "train_steps"
+
+
+class RecordingTrainer(Trainer):
+    """The real Trainer; it also keeps each training loss unrounded (logs round to 4 digits)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.training_losses: list[float] = []
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        if model.training:
+            value = loss[0] if isinstance(loss, tuple) else loss
+            self.training_losses.append(value.detach().float().item())
+        return loss
+
+
+def _arguments(state: CellState, max_steps: int) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(state.workdir / "trainer"),
+        max_steps=max_steps,
+        per_device_train_batch_size=len(state.engine_state["rows"]),
+        per_device_eval_batch_size=len(state.engine_state["rows"]),
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,  # torch.optim.AdamW's default, as in the torch engine
+        optim="adamw_torch",
+        eval_strategy="steps",
+        eval_steps=TRAIN_STEPS,
+        save_strategy="steps",
+        save_steps=TRAIN_STEPS,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=state.device.type == "cpu",
+        seed=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        **state.metrics["engine_settings"],
+    )
+
+
+def _trainer(state: CellState, model, max_steps: int) -> RecordingTrainer:
+    if state.device.type == "cuda":
+        torch.cuda.set_device(state.device)
+    rows = state.engine_state.setdefault("rows", Rows(state.batch))
+    tracker = PhaseTracker()
+    trainer = RecordingTrainer(
+        model=model,
+        args=_arguments(state, max_steps),
+        train_dataset=rows,
+        eval_dataset=rows,
+        data_collator=stack_rows,
+        callbacks=[tracker],
+    )
+    state.engine_state.update(trainer=trainer, tracker=tracker)
+    state.metrics["engine_effective"] = {
+        "mixed_precision": trainer.accelerator.mixed_precision,
+        "native_amp": trainer.accelerator.native_amp,
+        "device": str(trainer.args.device),
+    }
+    return trainer
+
+
+def _run(call, tracker: PhaseTracker):
+    try:
+        return call()
+    except Exception as exc:
+        exc.matrix_phase = tracker.phase  # the phase Trainer was in when it raised
+        raise
+
+
+def _evaluate_through_trainer_model(state: CellState):
+    model = state.engine_state["trainer"].model
+    model.eval()
+    with torch.no_grad():
+        return state.kind.evaluate(model, state.batch)
+
+
+def train_steps(state: CellState) -> None:
+    state.build()
+    trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
+    trainer = _trainer(state, state.model, TRAIN_STEPS)
+    _run(trainer.train, state.engine_state["tracker"])
+    state.metrics["train_losses"] = trainer.training_losses
+    for loss in trainer.training_losses:
+        checks.check_finite_loss(torch.tensor(loss), "training loss")
+    check_training_contract(state, state.model, trainable, dtypes)
+    check_agrees_with_torch_engine(state, trainer.training_losses[0], "train")
+
+
+def mid_training_eval(state: CellState) -> None:
+    metrics = state.engine_state["tracker"].eval_metrics
+    if metrics is None:
+        raise checks.CheckFailure("the Trainer ran no evaluation on its step schedule")
+    state.metrics["trainer_eval_loss"] = metrics.get("eval_loss")
+    check_against_fp32(state, _evaluate_through_trainer_model(state), "mid-training eval")
+
+
+def evaluate(state: CellState) -> None:
+    state.build()
+    trainer = _trainer(state, state.model, TRAIN_STEPS)
+    tracker = state.engine_state["tracker"]
+    tracker.phase = "evaluate"
+    metrics = _run(trainer.evaluate, tracker)
+    state.metrics["trainer_eval_loss"] = metrics.get("eval_loss")
+    result = _evaluate_through_trainer_model(state)  # generate() too, for gemma-cache
+    check_against_fp32(state, result, "eval")
+    check_agrees_with_torch_engine(state, result.loss.float().item(), "eval")
+
+
+def _checkpoint_dir(state: CellState):
+    if state.cell.mode == "train":
+        return state.workdir / "trainer" / f"checkpoint-{TRAIN_STEPS}"
+    return state.workdir / "saved-model"
+
+
+def checkpoint_save(state: CellState) -> None:
+    if state.cell.mode == "eval":
+        state.engine_state["trainer"].save_model(str(_checkpoint_dir(state)))
+    directory = _checkpoint_dir(state)
+    if not directory.is_dir():
+        raise checks.CheckFailure("the Trainer wrote no checkpoint on its save schedule")
+    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+    # outputs of the same weights without the Trainer's forward wrapper, to compare with a reload
+    state.outputs_before_save = _evaluate_as_trainer_ran(state, same_weights_copy(state, state.model)).logits
+
+
+def _evaluate_as_trainer_ran(state: CellState, model):
+    """Evaluation under the autocast the Trainer really used (observed in its forward), which
+    can differ from the precision's: on a CPU, fp16 mixed precision runs without autocast."""
+    observed = state.metrics["effective"].get("autocast_dtype_in_forward", "not observed")
+    if observed == "not observed":
+        return evaluate_in_precision(state, model)
+    model.eval()
+    context = torch.autocast(state.device_type, dtype=getattr(torch, observed)) if observed else nullcontext()
+    with torch.no_grad(), context:
+        return state.kind.evaluate(model, state.batch)
+
+
+def checkpoint_reload(state: CellState) -> None:
+    reloaded = state.kind.load(_checkpoint_dir(state), state.precision, state.device, state.workdir)
+    check_reload(state, reloaded, evaluate=_evaluate_as_trainer_ran)
+    state.engine_state["reloaded"] = reloaded
+
+
+def resumed_step(state: CellState) -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)  # a resumed run is a new process
+    GradientState._reset_state()
+    model = state.kind.build(state.precision, state.device, state.workdir)
+    trainer = _trainer(state, model, TRAIN_STEPS + 1)
+    _run(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
+    state.metrics["resumed_losses"] = trainer.training_losses
+    if len(trainer.training_losses) != 1:
+        raise checks.CheckFailure(
+            "resuming from the checkpoint did not run exactly the one remaining step",
+            details=f"{len(trainer.training_losses)} training steps ran",
+        )
+    checks.check_parameters_changed(snapshot_trainable(state.engine_state["reloaded"]), model)
+
+
+class HFTrainerEngine(Engine):
+    name = "hf-trainer"
+    description = "transformers Trainer: train() with eval/save on a step schedule, resume_from_checkpoint"
+
+    def phases(self, mode):
+        if mode == "train":
+            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+
+    def cleanup(self, state: CellState) -> None:
+        state.engine_state.clear()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
