@@ -285,6 +285,8 @@ def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0) -> CellResult:
                 phases[name](state)
             except Exception as exc:  # recorded below: signature, message and full traceback
                 failed = getattr(exc, "matrix_phase", None) or name
+                if failed not in names[names.index(name) :]:
+                    failed = name  # an engine's guess outside this mode's remaining phases
                 for earlier in names[names.index(name) : names.index(failed)]:
                     result.phases[earlier] = "passed"
                 result.outcome, result.phase = "failed", failed

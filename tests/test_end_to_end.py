@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-PLUGIN = ("-p", "broken_models")
+PLUGIN = ("-p", "broken_models", "--engine", "torch")
 
 
 def load_results(tmp_path):

@@ -43,6 +43,7 @@ def test_every_precision_the_issue_names_exists():
     } <= set(AXES["precision"])
     assert set(AXES["model"]) >= {"tiny-transformer", "tiny-llama", "lora", "gemma-cache"}
     assert AXES["mode"] == ("train", "eval") and AXES["device"] == ("cpu", "cuda")
+    assert AXES["engine"] == ("torch", "accelerate", "hf-trainer", "lightning")
 
 
 def test_cell_ids_read_like_the_cell_and_are_unique():
@@ -74,4 +75,4 @@ def test_options_and_k_combine(run_pytest):
         "-q",
     )
     collected = sorted(line.split("[")[1].rstrip("]") for line in done.stdout.splitlines() if "::test_cell[" in line)
-    assert collected == sorted(f"{m}-bf16-mixed-eval-cpu-torch" for m in AXES["model"])
+    assert collected == sorted(f"{m}-bf16-mixed-eval-cpu-{e}" for m in AXES["model"] for e in AXES["engine"])

@@ -6,8 +6,11 @@ from __future__ import annotations
 from matrix.engines.accelerate_loop import AccelerateEngine
 from matrix.engines.base import Engine
 from matrix.engines.hf_trainer import HFTrainerEngine
+from matrix.engines.lightning_loop import LightningEngine
 from matrix.engines.torch_loop import TorchEngine
 
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TorchEngine(), AccelerateEngine(), HFTrainerEngine())}
+ENGINES: dict[str, Engine] = {
+    engine.name: engine for engine in (TorchEngine(), AccelerateEngine(), HFTrainerEngine(), LightningEngine())
+}
 
 __all__ = ["ENGINES", "Engine"]

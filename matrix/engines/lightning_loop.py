@@ -1,0 +1,198 @@
+"""The lightning engine: a Lightning Trainer(precision=...) with a validation loop, a
+ModelCheckpoint save and a resume from it (ckpt_path).
+
+Lightning chooses a precision plugin from the precision string and may change it on its own
+(16-mixed becomes bf16-mixed on a CPU); the cell records the plugin's effective precision.
+Trainer.fit() runs several phases in one call; a callback follows which one it is in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from matrix import checks
+from matrix.engines.base import Engine
+from matrix.phases import (
+    LEARNING_RATE,
+    TRAIN_STEPS,
+    CellState,
+    check_against_fp32,
+    check_agrees_with_torch_engine,
+    check_reload,
+    check_training_contract,
+    snapshot_trainable,
+)
+
+for _name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+    logging.getLogger(_name).setLevel(logging.WARNING)  # "GPU available: False ..." per cell
+
+
+class CellModule(L.LightningModule):
+    """The cell's model, loss and evaluation, as a LightningModule."""
+
+    def __init__(self, state: CellState, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.cell_state = state
+        self.training_losses: list[float] = []
+        self.validation_output = None
+
+    def training_step(self, batch, batch_idx):
+        loss = self.cell_state.kind.loss(self.model, batch)
+        self.training_losses.append(loss.detach().float().item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.validation_output = self.cell_state.kind.evaluate(self.model, batch)  # generate() too
+        return self.validation_output.loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+
+
+class PhaseTracker(Callback):
+    def __init__(self, first_phase: str) -> None:
+        self.first_phase = self.phase = first_phase
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.phase = self.first_phase
+
+    def on_validation_start(self, trainer, pl_module):
+        self.phase = "evaluate" if self.first_phase == "evaluate" else "mid_training_eval"
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.phase = "checkpoint_save"
+
+
+def _loader(state: CellState):
+    batch = {k: v.cpu() for k, v in state.batch.items()}
+    return torch.utils.data.DataLoader([batch], batch_size=None)  # one fixed batch per epoch
+
+
+def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
+    tracker = PhaseTracker(first_phase)
+    checkpoints = ModelCheckpoint(
+        dirpath=state.workdir / "lightning", filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
+    )
+    trainer = L.Trainer(
+        accelerator="gpu" if state.device.type == "cuda" else "cpu",
+        devices=[state.device.index or 0] if state.device.type == "cuda" else 1,
+        precision=state.metrics["engine_settings"]["precision"],
+        max_steps=max_steps,
+        check_val_every_n_epoch=TRAIN_STEPS,  # one batch per epoch: validation after step 3
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tracker, checkpoints],
+        default_root_dir=state.workdir,
+    )
+    state.engine_state.update(trainer=trainer, tracker=tracker)
+    state.metrics["engine_effective"] = {
+        "precision": str(trainer.precision),
+        "plugin": type(trainer.precision_plugin).__name__,
+    }
+    return trainer
+
+
+def _run(call, state: CellState):
+    try:
+        return call()
+    except Exception as exc:
+        exc.matrix_phase = state.engine_state["tracker"].phase
+        raise
+
+
+def _evaluate_as_lightning(state: CellState, model):
+    """Evaluation under the precision plugin's own forward context, as Lightning validates."""
+    model.eval()
+    with torch.no_grad(), state.engine_state["trainer"].precision_plugin.forward_context():
+        return state.kind.evaluate(model, state.batch)
+
+
+def _checkpoint_file(state: CellState):
+    found = sorted((state.workdir / "lightning").glob("*.ckpt"))
+    if not found:
+        raise checks.CheckFailure("Lightning wrote no checkpoint")
+    return found[0]
+
+
+def train_steps(state: CellState) -> None:
+    state.build()
+    trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
+    module = CellModule(state, state.model)
+    trainer = _trainer(state, TRAIN_STEPS, "train_steps")
+    state.engine_state["module"] = module
+    _run(lambda: trainer.fit(module, train_dataloaders=_loader(state), val_dataloaders=_loader(state)), state)
+    state.metrics["train_losses"] = module.training_losses
+    for loss in module.training_losses:
+        checks.check_finite_loss(torch.tensor(loss), "training loss")
+    check_training_contract(state, state.model, trainable, dtypes)
+    check_agrees_with_torch_engine(state, module.training_losses[0], "train")
+
+
+def mid_training_eval(state: CellState) -> None:
+    output = state.engine_state["module"].validation_output
+    if output is None:
+        raise checks.CheckFailure("Lightning ran no validation during fit")
+    check_against_fp32(state, output, "mid-training eval")
+
+
+def evaluate(state: CellState) -> None:
+    state.build()
+    module = CellModule(state, state.model)
+    trainer = _trainer(state, TRAIN_STEPS, "evaluate")
+    state.engine_state["module"] = module
+    _run(lambda: trainer.validate(module, dataloaders=_loader(state), verbose=False), state)
+    check_against_fp32(state, module.validation_output, "eval")
+    check_agrees_with_torch_engine(state, module.validation_output.loss.float().item(), "eval")
+
+
+def checkpoint_save(state: CellState) -> None:
+    if state.cell.mode == "eval":
+        (state.workdir / "lightning").mkdir(parents=True, exist_ok=True)
+        trainer = state.engine_state["trainer"]
+        _run(lambda: trainer.save_checkpoint(state.workdir / "lightning" / "checkpoint.ckpt"), state)
+    state.metrics["checkpoint_files"] = [_checkpoint_file(state).name]
+    state.outputs_before_save = _evaluate_as_lightning(state, state.model).logits
+
+
+def checkpoint_reload(state: CellState) -> None:
+    # Tensors and plain containers only: no arbitrary unpickling.
+    checkpoint = torch.load(_checkpoint_file(state), weights_only=True, map_location=state.device)
+    reloaded = state.kind.build(state.precision, state.device, state.workdir)
+    CellModule(state, reloaded).load_state_dict(checkpoint["state_dict"])
+    check_reload(state, reloaded, evaluate=_evaluate_as_lightning)
+    state.engine_state["reloaded"] = reloaded
+
+
+def resumed_step(state: CellState) -> None:
+    model = state.kind.build(state.precision, state.device, state.workdir)
+    module = CellModule(state, model)
+    trainer = _trainer(state, TRAIN_STEPS + 1, "resumed_step")
+    path = _checkpoint_file(state)
+    _run(lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state)
+    state.metrics["resumed_losses"] = module.training_losses
+    if len(module.training_losses) != 1:
+        raise checks.CheckFailure(
+            "resuming from the checkpoint did not run exactly the one remaining step",
+            details=f"{len(module.training_losses)} training steps ran",
+        )
+    checks.check_parameters_changed(snapshot_trainable(state.engine_state["reloaded"]), model)
+
+
+class LightningEngine(Engine):
+    name = "lightning"
+    description = "Lightning Trainer(precision=...): fit with validation, ModelCheckpoint, resume"
+
+    def phases(self, mode):
+        if mode == "train":
+            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+
+    def cleanup(self, state: CellState) -> None:
+        state.engine_state.clear()
