@@ -91,7 +91,9 @@ def stack_line() -> str:
     versions = package_versions()
     cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     gpus = ", ".join(f"cuda:{g['index']} {g['name']}" for g in devices.cuda_devices()) or "no GPU visible"
-    others = ", ".join(f"{name} {versions[name]}" for name in ("transformers", "peft", "accelerate") if versions[name])
+    others = ", ".join(
+        f"{name} {versions[name]}" for name in ("transformers", "peft", "accelerate", "lightning") if versions[name]
+    )
     return f"torch {torch.__version__} ({cuda}; {gpus}), {others}"
 
 

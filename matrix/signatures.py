@@ -63,7 +63,12 @@ def frame_module(frame) -> str:
 
 
 def origin_of(exc: BaseException) -> str:
-    """Innermost frame in the stack under test as module:function, else the innermost frame."""
+    """Innermost frame in the stack under test as module:function, else the innermost frame.
+
+    A failure raised by the matrix's own checks keeps the check as its origin, even when a
+    library called the check (a Trainer or Lightning callback): the same check failing gives
+    the same signature under every engine.
+    """
     frames = []
     tb = exc.__traceback__
     while tb is not None:
@@ -71,8 +76,11 @@ def origin_of(exc: BaseException) -> str:
         tb = tb.tb_next
     if not frames:
         return "<no traceback>"
-    in_stack = [f for f in frames if frame_module(f).split(".")[0] in STACK_PACKAGES]
-    frame = (in_stack or frames)[-1]
+    if frame_module(frames[-1]).split(".")[0] == "matrix":
+        frame = frames[-1]
+    else:
+        in_stack = [f for f in frames if frame_module(f).split(".")[0] in STACK_PACKAGES]
+        frame = (in_stack or frames)[-1]
     return f"{frame_module(frame)}:{frame.f_code.co_name}"
 
 

@@ -120,3 +120,15 @@ def test_origin_prefers_stack_frames_over_ours():
     with pytest.raises(RuntimeError) as info, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         encoder(torch.randn(2, 4, 8), src_key_padding_mask=mask)
     assert origin_of(info.value) == "torch.nn.modules.transformer:forward"
+
+
+def test_a_matrix_check_called_by_a_library_keeps_the_check_as_origin():
+    """A Trainer or Lightning callback runs our check: the origin stays the check, so the
+    same check failing gives the same signature under every engine."""
+    from matrix import checks
+
+    layer = torch.nn.Linear(2, 2)
+    layer.register_forward_pre_hook(lambda module, args: checks.check_finite_loss(torch.tensor(float("nan")), "x"))
+    with pytest.raises(checks.NonFiniteValue) as info:
+        layer(torch.ones(1, 2))  # torch.nn.modules.module calls the hook
+    assert origin_of(info.value) == "matrix.checks:check_finite_loss"

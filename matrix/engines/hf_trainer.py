@@ -53,7 +53,9 @@ class PhaseTracker(TrainerCallback):
         self.phase = "train_steps"
         self.eval_metrics: dict | None = None
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # as the torch engine checks after every optimizer step: the same bug, the same signature
+        checks.check_finite_parameters(list(model.named_parameters()), "after the optimizer step")
         if args.eval_steps and state.global_step % args.eval_steps == 0:
             self.phase = "mid_training_eval"  # evaluation follows this step
 

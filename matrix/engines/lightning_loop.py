@@ -61,6 +61,10 @@ class PhaseTracker(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.phase = self.first_phase
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # as the torch engine checks after every optimizer step: the same bug, the same signature
+        checks.check_finite_parameters(list(pl_module.model.named_parameters()), "after the optimizer step")
+
     def on_validation_start(self, trainer, pl_module):
         self.phase = "evaluate" if self.first_phase == "evaluate" else "mid_training_eval"
 
