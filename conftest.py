@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+from matrix import catalogue as known_failures
 from matrix import environment
 from matrix import report as matrix_report
 from matrix.cells import (
@@ -40,6 +41,8 @@ AXES = ("model", "precision", "mode", "device", "engine")
 AXES_PROPERTY = "matrix_cell"
 RESULT_PROPERTY = "matrix_result"
 selection_key = pytest.StashKey[dict]()
+catalogue_key = pytest.StashKey[known_failures.Catalogue]()
+installed_key = pytest.StashKey[dict]()
 recorder_key = pytest.StashKey["Recorder"]()
 
 
@@ -69,6 +72,25 @@ def pytest_addoption(parser):
         help="where run reports go (default: reports/ beside this conftest)",
     )
     group.addoption("--no-report", dest="matrix_no_report", action="store_true", help="write no report directory")
+    group.addoption(
+        "--catalogue",
+        dest="matrix_catalogue",
+        default=None,
+        metavar="FILE",
+        help="known-failure catalogue (default: matrix/known_failures.toml)",
+    )
+    group.addoption(
+        "--run-contradictory",
+        dest="matrix_run_contradictory",
+        action="store_true",
+        help="run precision policies that contradict themselves instead of failing them in 'configure'",
+    )
+    group.addoption(
+        "--strict-known",
+        dest="matrix_strict_known",
+        action="store_true",
+        help="a cell the catalogue says fails but that passes (fixed) fails the run",
+    )
 
 
 def is_worker(config) -> bool:
@@ -86,6 +108,12 @@ def pytest_configure(config):
         config.stash[selection_key] = {axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES}
     except SelectionError as error:
         raise pytest.UsageError(str(error)) from None
+    catalogue_path = Path(config.getoption("matrix_catalogue") or known_failures.CATALOGUE_FILE)
+    try:
+        config.stash[catalogue_key] = known_failures.load(catalogue_path)
+    except (OSError, known_failures.CatalogueError) as error:
+        raise pytest.UsageError(f"--catalogue: {error}") from None
+    config.stash[installed_key] = known_failures.installed_versions(environment.PACKAGES)
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = config.getoption("matrix_report_dir") or Path(__file__).parent / "reports"
         config.stash[recorder_key] = Recorder(config, Path(root))
@@ -94,6 +122,9 @@ def pytest_configure(config):
 
 def pytest_generate_tests(metafunc):
     if "cell" not in metafunc.fixturenames:
+        return
+    own = [m for m in metafunc.definition.iter_markers("parametrize") if "cell" in str(m.args[0])]
+    if own:  # a test that parametrizes `cell` itself chooses its own cells
         return
     cuda_index = metafunc.config.getoption("matrix_cuda_device")
     params = []
@@ -194,6 +225,8 @@ class Recorder:
             "selection": {axis: list(values) for axis, values in self.config.stash[selection_key].items()},
             "axes": {axis: list(values) for axis, values in axis_values().items()},
             "workers": getattr(self.config.option, "numprocesses", None),
+            # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
+            "stack": os.environ.get("MATRIX_STACK"),
             **{f"git_{k}": v for k, v in environment.git_state(Path(__file__).parent).items()},
         }
         env = environment.capture(self.config.getoption("matrix_cuda_device"))

@@ -12,35 +12,44 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import nox
+
+sys.path.insert(0, str(Path(__file__).parent))  # matrix/stacks.py: data only, no torch
+from matrix import stacks as version_stacks
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests"]
 
 ROOT = Path(__file__).parent
+STACKS = version_stacks.load()
 TORCH_REQUIREMENT = os.environ.get("MATRIX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
 
 
-def install_stack(session: nox.Session, *extras: str) -> None:
+def install_stack(session: nox.Session, *extras: str, stack: str = "default") -> None:
+    pins = list(STACKS[stack].pins)
     if session.venv_backend == "none":
         session.log("--no-venv: using the current environment as it is, installing nothing")
     else:
         torch_args = [TORCH_REQUIREMENT] + (["--index-url", TORCH_INDEX_URL] if TORCH_INDEX_URL else [])
         project = ".[" + ",".join(extras) + "]" if extras else "."
         key = hashlib.sha256(
-            "\n".join([(ROOT / "pyproject.toml").read_text(), *torch_args, project]).encode()
+            "\n".join([(ROOT / "pyproject.toml").read_text(), *torch_args, project, *pins]).encode()
         ).hexdigest()
         stamp = Path(session.virtualenv.location) / ".matrix-stack"
         if stamp.exists() and stamp.read_text() == key:
-            session.log("environment up to date (pyproject.toml and torch selection unchanged)")
+            session.log("environment up to date (pyproject.toml, torch selection and pins unchanged)")
         else:
             session.install(*torch_args)  # first, so nothing else pulls in a different torch
             session.install("-e", project)
+            if pins:
+                session.install(*pins)  # the stack's pins win over the project's ranges
             stamp.write_text(key)
+    session.env["MATRIX_STACK"] = stack  # recorded in every report
     session.run("python", "-m", "matrix.environment")  # prints the torch in use, and its CUDA
 
 
@@ -55,6 +64,23 @@ def matrix(session: nox.Session) -> None:
     """
     install_stack(session)
     session.run("python", "-m", "pytest", "cases", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("name", list(STACKS))
+def stack(session: nox.Session, name: str) -> None:
+    """The matrix on a pinned version stack from matrix/stacks.toml, in its own reused venv.
+
+    nox -s "stack(name='seed-001-gemma3-hybridcache')" [-- pytest args]
+    """
+    chosen = STACKS[name]
+    session.log(f"stack {name}: {chosen.description}; pins: {', '.join(chosen.pins) or 'none'}")
+    install_stack(session, stack=name)
+    if "cuda" in chosen.requires:
+        probe = "import torch; print(torch.cuda.is_available())"
+        if "True" not in (session.run("python", "-c", probe, silent=True) or ""):
+            session.skip(f"Requires: [CUDA device] (stack {name} needs a GPU; torch here sees none)")
+    session.run("python", "-m", "pytest", "cases", *chosen.select, *session.posargs)
 
 
 @nox.session

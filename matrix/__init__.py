@@ -12,6 +12,8 @@ Where things live:
   signatures.py  - failure signature: phase, exception type, normalized message, origin
   environment.py - versions and devices recorded in every report
   report.py      - results.json, summary.md, junit.xml
+  catalogue.py   - the known-failure catalogue (known_failures.toml) and outcome classification
+  engines/       - torch, accelerate, hf-trainer, lightning: what drives a cell's phases
 """
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: outcomes known/fixed, known_failure per cell, known_failures

@@ -24,7 +24,7 @@ from matrix import checks
 from matrix.cells import Cell
 from matrix.devices import torch_device
 from matrix.models import MODELS, ModelKind
-from matrix.precisions import PRECISIONS, Precision, dtype_name
+from matrix.precisions import PRECISIONS, PolicyContradiction, Precision, dtype_name, validate
 from matrix.signatures import Signature, signature_of
 from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance
 
@@ -260,7 +260,19 @@ def check_reload(state: CellState, reloaded, evaluate=None) -> None:
 # ---------------------------------------------------------------- running a cell
 
 
-def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0) -> CellResult:
+def _record_failure(result: CellResult, phase: str, exc: BaseException) -> None:
+    result.outcome, result.phase = "failed", phase
+    result.signature = signature_of(phase, exc)
+    result.message = f"{type(exc).__name__}: {exc}"
+    if getattr(exc, "details", None):
+        result.message += f" ({exc.details})"
+    result.traceback = "".join(traceback.format_exception(exc))
+
+
+def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0, run_contradictory: bool = False) -> CellResult:
+    """Run a cell's phases. A precision policy that contradicts itself fails in the
+    `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
+    record what the stack itself raises."""
     from matrix.engines import ENGINES
 
     precision = PRECISIONS[cell.precision]
@@ -279,22 +291,25 @@ def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0) -> CellResult:
     result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
     result.phases = {name: "not run" for name in names}
     start = time.perf_counter()
+    if precision.contradictions():
+        state.metrics["policy_contradictions"] = precision.contradictions()
+        if not run_contradictory:
+            try:
+                validate(precision)
+            except PolicyContradiction as exc:
+                _record_failure(result, "configure", exc)
+                return result
     try:
         for name in names:
             try:
                 phases[name](state)
-            except Exception as exc:  # recorded below: signature, message and full traceback
+            except Exception as exc:  # recorded: signature, message and full traceback
                 failed = getattr(exc, "matrix_phase", None) or name
                 if failed not in names[names.index(name) :]:
                     failed = name  # an engine's guess outside this mode's remaining phases
                 for earlier in names[names.index(name) : names.index(failed)]:
                     result.phases[earlier] = "passed"
-                result.outcome, result.phase = "failed", failed
-                result.signature = signature_of(failed, exc)
-                result.message = f"{type(exc).__name__}: {exc}"
-                if getattr(exc, "details", None):
-                    result.message += f" ({exc.details})"
-                result.traceback = "".join(traceback.format_exception(exc))
+                _record_failure(result, failed, exc)
                 result.phases[failed] = "failed"
                 break
             result.phases[name] = "passed"

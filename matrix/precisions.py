@@ -19,6 +19,20 @@ class Precision:
     # Lightning's *-true plugins and hand-written loops do; "load" = from_pretrained(...,
     # dtype=...) of an fp32 checkpoint, as LLM fine-tuning scripts do.
     weights_from: str = "cast"
+    # Gradients kept in another dtype than the parameters (None: the parameters' dtype), and
+    # micro-batches accumulated per optimizer step: SimpleTuner's --gradient_precision.
+    grad_dtype: torch.dtype | None = None
+    grad_accumulation: int = 1
+
+    def contradictions(self) -> list[str]:
+        """Settings that cannot hold together, found before any step runs."""
+        found = []
+        if self.grad_dtype is not None and self.grad_dtype != self.weights_dtype:
+            found.append(
+                f"gradients kept in {dtype_name(self.grad_dtype)} for {dtype_name(self.weights_dtype)} weights: "
+                "torch's optimizers update a parameter with gradients of the parameter's own dtype"
+            )
+        return found
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -44,6 +58,8 @@ class Precision:
             "autocast_dtype": dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
             "grad_scaler": self.grad_scaler,
             "weights_from": self.weights_from,
+            "grad_dtype": dtype_name(self.grad_dtype) if self.grad_dtype else None,
+            "grad_accumulation": self.grad_accumulation,
         }
 
 
@@ -68,5 +84,27 @@ PRECISIONS: dict[str, Precision] = {
         # (from_pretrained(dtype=...)) with a mixed-precision trainer on top.
         Precision("bf16-loaded-mixed", _BF16, _BF16, False, "bf16 weights loaded, bf16 autocast", "load"),
         Precision("fp16-loaded-mixed", _F16, _F16, True, "fp16 weights loaded, fp16 autocast, GradScaler", "load"),
+        # SimpleTuner's MIXED_PRECISION=bf16 with --gradient_precision=fp32 over bf16 weights
+        # (seed 004): contradictory on purpose, so the matrix shows how it is caught.
+        Precision(
+            "bf16-loaded-mixed-fp32-grads",
+            _BF16,
+            _BF16,
+            False,
+            "bf16 weights loaded, bf16 autocast, fp32 gradients, 2 accumulation steps",
+            "load",
+            grad_dtype=_F32,
+            grad_accumulation=2,
+        ),
     )
 }
+
+
+class PolicyContradiction(ValueError):
+    """A precision policy whose settings cannot hold together."""
+
+
+def validate(precision: Precision) -> None:
+    problems = precision.contradictions()
+    if problems:
+        raise PolicyContradiction(f"precision {precision.name!r} contradicts itself: " + "; ".join(problems))

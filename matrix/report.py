@@ -20,8 +20,7 @@ from matrix.phases import CellResult
 from matrix.precisions import PRECISIONS
 from matrix.signatures import signature_of_crash
 
-OUTCOMES = ("passed", "failed", "skipped")
-MARK = {"passed": "✅", "failed": "❌", "skipped": "⏭️"}
+OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
 
 
 # ------------------------------------------------------------------ records
@@ -37,6 +36,7 @@ def _base_record(cell: Cell, outcome: str) -> dict:
         "signature": None,
         "message": None,
         "skip_reason": None,
+        "known_failure": None,
         "duration_s": 0.0,
         "metrics": {},
     }
@@ -53,6 +53,16 @@ def result_record(result: CellResult) -> dict:
         metrics=result.metrics,
     )
     return record
+
+
+def known_failure_record(entry) -> dict:
+    return {
+        "id": entry.id,
+        "title": entry.title,
+        "kind": entry.kind,
+        "upstream": list(entry.upstream),
+        "link": entry.link,
+    }
 
 
 def skipped_record(cell: Cell, reason: str) -> dict:
@@ -81,9 +91,23 @@ def signature_index(records: list[dict]) -> dict[str, dict]:
     for record in records:
         signature = record["signature"]
         if signature:
-            entry = index.setdefault(signature["id"], {**signature, "cells": []})
+            entry = index.setdefault(signature["id"], {**signature, "cells": [], "known_as": []})
             entry["cells"].append(record["id"])
+            known = record.get("known_failure")
+            if record["outcome"] == "known" and known["id"] not in entry["known_as"]:
+                entry["known_as"].append(known["id"])
     return dict(sorted(index.items(), key=lambda item: (-len(item[1]["cells"]), item[0])))
+
+
+def known_failure_index(records: list[dict]) -> dict[str, dict]:
+    """Catalogue entry id -> the entry and the cells it explained (known) or missed (fixed)."""
+    index: dict[str, dict] = {}
+    for record in records:
+        known = record.get("known_failure")
+        if known:
+            entry = index.setdefault(known["id"], {**known, "cells": [], "fixed_cells": []})
+            entry["fixed_cells" if record["outcome"] == "fixed" else "cells"].append(record["id"])
+    return index
 
 
 def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
@@ -96,6 +120,7 @@ def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
         "counts": {outcome: sum(r["outcome"] == outcome for r in records) for outcome in OUTCOMES},
         "cells": records,
         "signatures": signature_index(records),
+        "known_failures": known_failure_index(records),
     }
 
 
@@ -126,7 +151,8 @@ def summary_markdown(document: dict) -> str:
     lines = [
         f"# Mixed-precision matrix: run {run['id']}",
         "",
-        f"**{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped** "
+        f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
+        f"{counts['passed']} passed, {counts['skipped']} skipped** "
         f"of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
         "",
         f"- command: `{run['command']}`",
@@ -140,9 +166,21 @@ def summary_markdown(document: dict) -> str:
         ),
         f"- project commit: {run.get('git_commit') or 'unknown'}{' (dirty)' if run.get('git_dirty') else ''}",
     ]
+    if run.get("stack"):
+        lines.append(f"- version stack: `{run['stack']}`")
     lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
     if run.get("incomplete"):
         lines.append("- **incomplete run:** not every selected cell reported")
+
+    known_keys = {entry_id: f"K{n + 1}" for n, entry_id in enumerate(document["known_failures"])}
+    fixed = [c for c in cells if c["outcome"] == "fixed"]
+    if fixed:
+        lines += ["", "## Fixed: the catalogue says these fail, but they pass (narrow the entries)", ""]
+        lines += [f"- `{c['id']}`: entry `{c['known_failure']['id']}`" for c in fixed]
+    new = [c for c in cells if c["outcome"] == "failed"]
+    if new:
+        lines += ["", "## New failures (no catalogue entry explains them)", ""]
+        lines += [f"- `{c['id']}`: `{c['signature']['id']}` {_md(c['signature']['text'])}" for c in new]
 
     skip_reasons: dict[str, str] = {}
     for device, mode in sorted(
@@ -169,6 +207,10 @@ def summary_markdown(document: dict) -> str:
                         row.append("")
                     elif cell["outcome"] == "failed":
                         row.append(f"❌ `{cell['signature']['id']}` ({cell['phase']})")
+                    elif cell["outcome"] == "known":
+                        row.append(f"⚠️ {known_keys[cell['known_failure']['id']]} ({cell['phase']})")
+                    elif cell["outcome"] == "fixed":
+                        row.append(f"❗ fixed {known_keys[cell['known_failure']['id']]}")
                     elif cell["outcome"] == "skipped":
                         key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
                         row.append(f"⏭️ {key}")
@@ -184,12 +226,23 @@ def summary_markdown(document: dict) -> str:
             count = sum(c["skip_reason"] == reason for c in cells)
             lines.append(f"| {key} | {_md(reason)} | {count} |")
 
+    if document["known_failures"]:
+        lines += ["", "## Known failures (matrix/known_failures.toml)", ""]
+        lines += ["| key | entry | kind | upstream | known cells | fixed cells |", "|---|---|---|---|---|---|"]
+        for entry_id, entry in document["known_failures"].items():
+            upstream = ", ".join(entry["upstream"]) or "found by this matrix"
+            lines.append(
+                f"| {known_keys[entry_id]} | `{entry_id}`: {_md(entry['title'])} | {entry['kind']} | {upstream} "
+                f"| {len(entry['cells'])} | {len(entry['fixed_cells'])} |"
+            )
+
     lines += ["", "## Failure signatures", ""]
     if document["signatures"]:
-        lines += ["| signature | phase | failure | cells |", "|---|---|---|---|"]
+        lines += ["| signature | phase | failure | known as | cells |", "|---|---|---|---|---|"]
         for sig_id, entry in document["signatures"].items():
             failure = f"{entry['exception']}: {entry['message']} @ `{entry['origin']}`"
-            lines.append(f"| `{sig_id}` | {entry['phase']} | {_md(failure)} | {', '.join(entry['cells'])} |")
+            known = ", ".join(f"`{k}`" for k in entry["known_as"]) or "**new**"
+            lines.append(f"| `{sig_id}` | {entry['phase']} | {_md(failure)} | {known} | {', '.join(entry['cells'])} |")
     else:
         lines.append("No cell failed.")
 
@@ -197,13 +250,14 @@ def summary_markdown(document: dict) -> str:
         "",
         "## Precisions",
         "",
-        "| precision | weights | autocast | grad scaler | weights from |",
-        "|---|---|---|---|---|",
+        "| precision | weights | autocast | grad scaler | weights from | gradients |",
+        "|---|---|---|---|---|---|",
     ]
     for name, p in document["precisions"].items():
         lines.append(
             f"| {name} | {p['weights_dtype']} | {p['autocast_dtype'] or '-'} | {'yes' if p['grad_scaler'] else '-'} "
-            f"| {p['weights_from']} |"
+            f"| {p['weights_from']} | {p['grad_dtype'] or 'weights dtype'}"
+            f"{', accumulate ' + str(p['grad_accumulation']) if p['grad_accumulation'] > 1 else ''} |"
         )
     lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
     return "\n".join(lines) + "\n"
@@ -219,7 +273,7 @@ def junit_xml(document: dict) -> bytes:
         name="precision-matrix",
         tests=str(len(cells)),
         failures=str(document["counts"]["failed"]),
-        skipped=str(document["counts"]["skipped"]),
+        skipped=str(document["counts"]["skipped"] + document["counts"]["known"]),
         errors="0",
         time=f"{sum(c['duration_s'] for c in cells):.3f}",
     )
@@ -231,7 +285,11 @@ def junit_xml(document: dict) -> bytes:
             name=cell["id"],
             time=f"{cell['duration_s']:.3f}",
         )
-        if cell["outcome"] == "failed":
+        if cell["outcome"] == "known":
+            ElementTree.SubElement(
+                case, "skipped", type="pytest.xfail", message=f"known: {cell['known_failure']['id']}"
+            )
+        elif cell["outcome"] == "failed":
             failure = ElementTree.SubElement(
                 case, "failure", message=f"{cell['signature']['id']} {cell['signature']['text']}"
             )

@@ -19,6 +19,11 @@ LIGHTNING_PRECISIONS = {"32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-tr
 def test_the_table_maps_every_precision_for_every_engine():
     for precision in PRECISIONS:
         assert set(engine_settings.ENGINE_SETTINGS[precision]) == set(ENGINES), precision
+        if PRECISIONS[precision].grad_dtype is not None:  # only the hand-written loop can keep fp32 grads
+            for engine in ("accelerate", "hf-trainer", "lightning"):
+                reason = ENGINES[engine].unsupported_reason(PRECISIONS[precision])
+                assert reason.startswith("Requires: [") and "gradients in another dtype" in reason
+            continue
         lightning = engine_settings.ENGINE_SETTINGS[precision]["lightning"]
         assert isinstance(lightning, engine_settings.Unsupported) or lightning["precision"] in LIGHTNING_PRECISIONS
         accelerate = engine_settings.ENGINE_SETTINGS[precision]["accelerate"]

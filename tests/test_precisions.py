@@ -19,6 +19,34 @@ EXPECTED = {  # name: (weights, autocast, scaler) -- the issue's definitions
 }
 
 
+def test_only_the_simpletuner_policy_contradicts_itself():
+    contradictory = {name for name, p in PRECISIONS.items() if p.contradictions()}
+    assert contradictory == {"bf16-loaded-mixed-fp32-grads"}
+    (problem,) = PRECISIONS["bf16-loaded-mixed-fp32-grads"].contradictions()
+    assert problem.startswith("gradients kept in float32 for bfloat16 weights")
+
+
+def test_a_contradiction_fails_in_configure_before_any_step(tmp_path):
+    from matrix.phases import run_cell
+
+    result = run_cell(Cell("tiny-llama", "bf16-loaded-mixed-fp32-grads", "train", "cpu"), tmp_path)
+    assert (result.outcome, result.phase) == ("failed", "configure")
+    assert set(result.phases.values()) == {"not run"}
+    assert result.signature.origin == "matrix.precisions:validate"
+    assert not (tmp_path / "pretrained-fp32").exists()  # nothing was built
+
+
+def test_run_anyway_records_what_torch_raises_and_where(tmp_path):
+    from matrix.phases import run_cell
+
+    result = run_cell(
+        Cell("tiny-llama", "bf16-loaded-mixed-fp32-grads", "train", "cpu"), tmp_path, run_contradictory=True
+    )
+    assert (result.outcome, result.phase) == ("failed", "train_steps")
+    assert result.signature.origin.startswith("torch.optim.adam:")  # the optimizer step, not backward
+    assert "expected dtype c10::BFloat16" in result.signature.message
+
+
 @pytest.mark.parametrize("name", EXPECTED)
 def test_table_defines_each_precision(name):
     precision = PRECISIONS[name]

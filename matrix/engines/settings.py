@@ -58,4 +58,12 @@ ENGINE_SETTINGS: dict[str, dict[str, dict | Unsupported]] = {
         "hf-trainer": {"fp16": True, "bf16": False},
         "lightning": {"precision": "16-mixed"},
     },
+    "bf16-loaded-mixed-fp32-grads": {
+        "torch": {"autocast": "bfloat16", "grad_dtype": "float32", "grad_accumulation": 2},
+        "accelerate": Unsupported("Requires: [an accelerate setting for gradients in another dtype than the weights]"),
+        "hf-trainer": Unsupported(
+            "Requires: [a TrainingArguments setting for gradients in another dtype than the weights]"
+        ),
+        "lightning": Unsupported("Requires: [a Lightning precision for gradients in another dtype than the weights]"),
+    },
 }

@@ -22,19 +22,28 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 
 
 def _train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
-    """One optimizer step. Returns (loss, whether the step was applied)."""
+    """One optimizer step over the precision's micro-batches. Returns (loss, step applied)."""
     optimizer.zero_grad(set_to_none=True)
-    with state.precision.autocast(state.device_type):
-        loss = state.kind.loss(model, state.batch)
-    value = checks.check_finite_loss(loss, "training loss")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    accumulation = state.precision.grad_accumulation
+    losses = []
+    for _ in range(accumulation):
+        with state.precision.autocast(state.device_type):
+            loss = state.kind.loss(model, state.batch) / accumulation
+        losses.append(checks.check_finite_loss(loss, "training loss") * accumulation)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if state.precision.grad_dtype is not None:
+            # keep the accumulated gradients in grad_dtype, as SimpleTuner's
+            # --gradient_precision does between micro-steps
+            for _, p in named:
+                if p.grad is not None and p.grad.dtype != state.precision.grad_dtype:
+                    p.grad.data = p.grad.data.to(state.precision.grad_dtype)
+    value = sum(losses) / len(losses)
     if scaler is None:
-        loss.backward()
         checks.check_finite_gradients(named)
         optimizer.step()
         applied = True
     else:
-        scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
         overflow = bool(checks.nonfinite_gradients(named))  # such a step is skipped by design
         scaler.step(optimizer)

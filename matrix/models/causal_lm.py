@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
+from packaging.version import Version
 
 from matrix.models import base
+
+# transformers 4.56 renamed from_pretrained's torch_dtype to dtype; older stacks need the old name.
+DTYPE_ARGUMENT = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 # The config fields every tiny decoder shares (transformers' names for base.py's sizes).
 TINY_DECODER_CONFIG = {
@@ -63,4 +68,4 @@ class CausalLMKind(base.ModelKind):
         model.save_pretrained(directory)  # safetensors is transformers' default
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
-        return self.model_class.from_pretrained(directory, dtype=dtype).to(device)
+        return self.model_class.from_pretrained(directory, **{DTYPE_ARGUMENT: dtype}).to(device)

@@ -23,5 +23,6 @@ class GemmaCache(CausalLMKind):
             head_dim=base.HEAD_DIM,
             sliding_window=SLIDING_WINDOW,
             layer_types=["sliding_attention", "full_attention"],
+            sliding_window_pattern=2,  # the same layout for transformers < 4.53, which has no layer_types
             use_cache=True,
         )

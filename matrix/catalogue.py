@@ -1,0 +1,163 @@
+"""The known-failure catalogue (matrix/known_failures.toml) and outcome classification.
+
+An entry is in force for a cell when the installed versions satisfy its specifiers and one of
+its selectors matches the cell. Then:
+  known  - the cell failed and its signature text matches the entry's pattern;
+  failed - the cell failed and no entry in force matches (a new failure);
+  fixed  - the cell passed although an entry in force says it fails (narrow the entry).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from matrix.cells import Cell, axis_values
+
+CATALOGUE_FILE = Path(__file__).with_name("known_failures.toml")
+KINDS = ("bug", "intended")
+
+
+class CatalogueError(ValueError):
+    """The catalogue file is malformed: the message names the file, the entry and the field."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    title: str
+    kind: str  # bug | intended
+    upstream: tuple[str, ...]
+    signature: re.Pattern
+    selectors: tuple[dict[str, frozenset[str]], ...]
+    versions: dict[str, SpecifierSet]
+    workaround: str
+    notes: str = ""
+
+    @property
+    def link(self) -> str:
+        if not self.upstream:
+            return "found by this matrix"
+        owner_repo, number = self.upstream[0].split("#")
+        return f"https://github.com/{owner_repo}/issues/{number}"
+
+    def selects(self, cell: Cell) -> bool:
+        axes = cell.axes()
+        return any(all(axes[axis] in values for axis, values in s.items()) for s in self.selectors)
+
+    def versions_hold(self, installed: dict[str, str | None]) -> bool:
+        for package, specifiers in self.versions.items():
+            version = installed.get(package)
+            if version is None or not specifiers.contains(Version(version), prereleases=True):
+                return False
+        return True
+
+    def matches(self, signature_text: str) -> bool:
+        return bool(self.signature.search(signature_text))
+
+
+@dataclass
+class Catalogue:
+    entries: list[Entry] = field(default_factory=list)
+
+    def in_force(self, cell: Cell, installed: dict[str, str | None]) -> list[Entry]:
+        return [e for e in self.entries if e.selects(cell) and e.versions_hold(installed)]
+
+    def by_id(self, entry_id: str) -> Entry:
+        return next(e for e in self.entries if e.id == entry_id)
+
+
+def installed_versions(packages) -> dict[str, str | None]:
+    found = {}
+    for name in packages:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def classify(outcome: str, signature_text: str | None, entries_in_force: list[Entry]) -> tuple[str, Entry | None]:
+    """(outcome, entry): passed/failed become known, failed (new) or fixed."""
+    if outcome == "failed":
+        entry = next((e for e in entries_in_force if e.matches(signature_text or "")), None)
+        return ("known", entry) if entry else ("failed", None)
+    if outcome == "passed" and entries_in_force:
+        return "fixed", entries_in_force[0]
+    return outcome, None
+
+
+def _fail(path: Path, where: str, problem: str) -> CatalogueError:
+    return CatalogueError(f"{path}: {where}: {problem}")
+
+
+def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...]] | None = None) -> Catalogue:
+    axes = axes or axis_values()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise _fail(path, "file", f"not valid TOML ({error})") from None
+    entries, seen = [], set()
+    for index, raw in enumerate(data.get("entry", [])):
+        where = f"entry {raw.get('id', index)!r}"
+        for key in ("id", "title", "kind", "signature", "cells", "workaround"):
+            if key not in raw:
+                raise _fail(path, where, f"missing field '{key}'")
+        if raw["id"] in seen:
+            raise _fail(path, where, "duplicate id")
+        seen.add(raw["id"])
+        if raw["kind"] not in KINDS:
+            raise _fail(path, where, f"field 'kind' is {raw['kind']!r}, expected one of {', '.join(KINDS)}")
+        try:
+            pattern = re.compile(raw["signature"])
+        except re.error as error:
+            raise _fail(path, where, f"field 'signature' is not a regular expression ({error})") from None
+        for reference in raw.get("upstream", []):
+            if not re.fullmatch(r"[\w.-]+/[\w.-]+#\d+", reference):
+                raise _fail(path, where, f"field 'upstream' has {reference!r}, expected owner/repo#number")
+        selectors = []
+        for s_index, selector in enumerate(raw["cells"]):
+            parsed = {}
+            for axis, values in selector.items():
+                if axis not in axes:
+                    raise _fail(path, where, f"cells[{s_index}] names unknown axis {axis!r}")
+                values = [values] if isinstance(values, str) else values
+                unknown = [v for v in values if v not in axes[axis]]
+                if unknown:
+                    raise _fail(path, where, f"cells[{s_index}].{axis} has unknown value {unknown[0]!r}")
+                parsed[axis] = frozenset(values)
+            selectors.append(parsed)
+        versions = {}
+        for package, spec in raw.get("versions", {}).items():
+            try:
+                versions[package] = SpecifierSet(spec)
+            except InvalidSpecifier:
+                raise _fail(path, where, f"versions.{package} is not a PEP 440 specifier: {spec!r}") from None
+        entries.append(
+            Entry(
+                id=raw["id"],
+                title=raw["title"],
+                kind=raw["kind"],
+                upstream=tuple(raw.get("upstream", [])),
+                signature=pattern,
+                selectors=tuple(selectors),
+                versions=versions,
+                workaround=raw["workaround"],
+                notes=raw.get("notes", ""),
+            )
+        )
+    return Catalogue(entries)
+
+
+def load(path: Path = CATALOGUE_FILE) -> Catalogue:
+    return parse(path.read_text(), path)

@@ -1,0 +1,173 @@
+"""The known-failure catalogue: parsing (with errors that name file and field), selectors,
+version specifiers, classification, and the outcomes a real run gets from it."""
+
+import json
+import textwrap
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from matrix import catalogue
+from matrix.cells import Cell
+
+ENTRY = """
+[[entry]]
+id = "demo"
+title = "demo entry"
+kind = "bug"
+upstream = ["pytorch/pytorch#1"]
+signature = 'RuntimeError: expected scalar type Float but found (BFloat16|Half)'
+cells = [{ model = ["tiny-transformer"], precision = ["bf16-mixed", "fp16-mixed"], device = ["cpu"] }]
+versions = { torch = ">=2.3,<3" }
+workaround = "none"
+"""
+
+
+def test_the_shipped_catalogue_parses_and_every_entry_is_complete():
+    shipped = catalogue.load()
+    assert len(shipped.entries) >= 6
+    for entry in shipped.entries:
+        assert entry.kind in catalogue.KINDS and entry.title and entry.workaround and entry.selectors
+
+
+@pytest.mark.parametrize(
+    ("cell", "selected"),
+    [
+        (Cell("tiny-transformer", "bf16-mixed", "eval", "cpu", "torch"), True),
+        (Cell("tiny-transformer", "fp16-mixed", "train", "cpu", "lightning"), True),
+        (Cell("tiny-transformer", "bf16-mixed", "eval", "cuda", "torch"), False),  # device not selected
+        (Cell("tiny-llama", "bf16-mixed", "eval", "cpu", "torch"), False),  # model not selected
+        (Cell("tiny-transformer", "fp32", "eval", "cpu", "torch"), False),  # precision not selected
+    ],
+)
+def test_selectors_match_axes_and_leave_out_axes_open(cell, selected):
+    (entry,) = catalogue.parse(ENTRY).entries
+    assert entry.selects(cell) is selected
+
+
+@pytest.mark.parametrize(
+    ("installed", "holds"),
+    [
+        ({"torch": "2.13.0+cpu"}, True),  # local version labels count as the release
+        ({"torch": "2.3.0"}, True),
+        ({"torch": "2.2.2"}, False),
+        ({"torch": "3.0.0"}, False),
+        ({"torch": None}, False),  # not installed: not in force
+        ({}, False),
+    ],
+)
+def test_versions_are_pep440_specifiers_against_installed_versions(installed, holds):
+    (entry,) = catalogue.parse(ENTRY).entries
+    assert entry.versions_hold(installed) is holds
+
+
+SIG = "evaluate: RuntimeError: expected scalar type Float but found BFloat16 @ torch.nn.modules.transformer:forward"
+
+
+def test_classification():
+    (entry,) = catalogue.parse(ENTRY).entries
+    assert catalogue.classify("failed", SIG, [entry]) == ("known", entry)
+    assert catalogue.classify("failed", "evaluate: ValueError: other @ x:y", [entry]) == ("failed", None)
+    assert catalogue.classify("failed", SIG, []) == ("failed", None)
+    assert catalogue.classify("passed", None, [entry]) == ("fixed", entry)
+    assert catalogue.classify("passed", None, []) == ("passed", None)
+
+
+@given(st.sampled_from(["BFloat16", "Half"]), st.sampled_from(["evaluate", "mid_training_eval"]))
+def test_a_pattern_matches_its_whole_family_of_signatures(dtype, phase):
+    (entry,) = catalogue.parse(ENTRY).entries
+    assert entry.matches(f"{phase}: RuntimeError: expected scalar type Float but found {dtype} @ torch.x:forward")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            ('versions = { torch = ">=2.3,<3" }', 'versions = { torch = "newest" }'),
+            "versions.torch is not a PEP 440 specifier",
+        ),
+        (('device = ["cpu"]', 'device = ["tpu"]'), "cells[0].device has unknown value 'tpu'"),
+        (('device = ["cpu"]', 'gpu = ["cpu"]'), "cells[0] names unknown axis 'gpu'"),
+        (('kind = "bug"', 'kind = "feature"'), "field 'kind' is 'feature'"),
+        (('workaround = "none"', ""), "missing field 'workaround'"),
+        (('"pytorch/pytorch#1"', '"pytorch issue 1"'), "expected owner/repo#number"),
+        (("(BFloat16|Half)", "(BFloat16|Half"), "field 'signature' is not a regular expression"),
+        (("[[entry]]", "[[entry]"), "not valid TOML"),
+    ],
+)
+def test_a_malformed_catalogue_names_the_file_and_the_field(change, message, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(ENTRY.replace(*change))
+    with pytest.raises(catalogue.CatalogueError) as info:
+        catalogue.load(path)
+    assert str(info.value).startswith(str(path))
+    assert message in str(info.value)
+
+
+def test_known_fixed_and_new_failures_in_a_real_run(run_pytest, tmp_path):
+    path = tmp_path / "catalogue.toml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            [[entry]]
+            id = "broken-backward"
+            title = "custom Function multiplies half grads with fp32 weights"
+            kind = "bug"
+            signature = 'train_steps: RuntimeError: expected m1 and m2 .*c10::BFloat16 != float'
+            cells = [{ model = ["broken-matmul"], precision = ["bf16-mixed"] }]
+            workaround = "torch.amp.custom_fwd/custom_bwd"
+
+            [[entry]]
+            id = "claims-fp32-fails"
+            title = "an entry that is too wide"
+            kind = "bug"
+            signature = 'anything'
+            cells = [{ model = ["broken-matmul"], precision = ["fp32"] }]
+            workaround = "narrow me"
+            """
+        )
+    )
+    args = (
+        "-p",
+        "broken_models",
+        "--engine",
+        "torch",
+        "--model",
+        "broken-matmul",
+        "--mode",
+        "train",
+        "--precision",
+        "fp32,bf16-mixed,fp16-mixed",
+        "--device",
+        "cpu",
+        "--catalogue",
+        str(path),
+    )
+    done = run_pytest(*args)
+    results = json.loads((tmp_path / "reports" / "latest" / "results.json").read_text())
+    outcomes = {c["precision"]: (c["outcome"], (c["known_failure"] or {}).get("id")) for c in results["cells"]}
+    assert outcomes == {
+        "bf16-mixed": ("known", "broken-backward"),
+        "fp32": ("fixed", "claims-fp32-fails"),
+        "fp16-mixed": ("failed", None),  # the same bug in fp16: no entry says so, so it is new
+    }
+    assert done.returncode == 1  # the new failure
+    assert "1 xfailed" in done.stdout and "1 xpassed" in done.stdout
+    summary = (tmp_path / "reports" / "latest" / "summary.md").read_text()
+    assert "**1 new failures, 1 fixed, 1 known failures" in summary
+    assert "`broken-matmul-fp32-train-cpu-torch`: entry `claims-fp32-fails`" in summary
+
+    strict = run_pytest(*args, "--precision", "fp32,bf16-mixed", "--strict-known", report_dir=tmp_path / "strict")
+    assert strict.returncode == 1 and "XPASS(strict)" in strict.stdout
+    relaxed = run_pytest(*args, "--precision", "fp32,bf16-mixed", report_dir=tmp_path / "relaxed")
+    assert relaxed.returncode == 0, relaxed.stdout[-2000:]  # known and fixed alone do not fail a run
+
+
+def test_a_malformed_catalogue_is_a_usage_error(run_pytest, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(ENTRY.replace('device = ["cpu"]', 'device = ["tpu"]'))
+    done = run_pytest("--catalogue", str(path), "--collect-only", "-q")
+    assert done.returncode == 4
+    assert f"--catalogue: {path}: entry 'demo': cells[0].device has unknown value 'tpu'" in done.stderr
+    assert "Traceback" not in done.stderr
