@@ -84,6 +84,16 @@ def stack(session: nox.Session, name: str) -> None:
 
 
 @nox.session
+def bisect(session: nox.Session) -> None:
+    """The release that changed one cell: nox -s bisect -- --package P --good V1 --bad V2 --cell ID [--stack S]
+
+    Candidates are installed into a scratch environment per stack (.bisect/<stack>), not here.
+    """
+    install_stack(session)
+    session.run("python", "-m", "matrix", "bisect", *session.posargs)
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
     """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells)."""
     install_stack(session, "test")

@@ -1,0 +1,207 @@
+"""Bisection over released versions: which release of a package changed one cell's outcome.
+
+    python -m matrix bisect --package transformers --good 4.51.3 --bad 4.50.0 \
+        --cell gemma-cache-bf16-loaded-mixed-eval-cpu-accelerate --stack seed-001-gemma3-hybridcache
+
+The candidates are the package's releases between the two versions as pip's index lists them
+(pre-releases left out). A scratch environment is built once per stack (torch, the project,
+the stack's pins) and reused; each candidate is installed into it and the one cell is run in a
+fresh pytest process. The state of a version is the cell's raw result: passed, or failed with
+its signature id (catalogue classification is ignored). The search finds the first version,
+in version order, whose state differs from the older end's: the release that broke the cell,
+or the one that fixed it. Every version tried is recorded as evidence in bisect.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from matrix import stacks as version_stacks
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRATCH = ROOT / ".bisect"
+DEFAULT_TORCH = "torch==2.13.0"
+
+
+class BisectError(ValueError):
+    """Bad input or an impossible bisection: one line for the user, exit status 2."""
+
+
+@dataclass
+class Trial:
+    version: str
+    state: str  # "passed" or "failed <signature id>"; "error: ..." when the cell could not run
+    signature: str | None
+    seconds: float
+
+
+def versions_between(listed: list[str], first: str, second: str) -> list[str]:
+    """The releases from the older to the newer of the two, inclusive, in version order."""
+    try:
+        low, high = sorted((Version(first), Version(second)))
+    except InvalidVersion as error:
+        raise BisectError(f"not a version: {error}") from None
+    parsed = []
+    for text in listed:
+        try:
+            version = Version(text)
+        except InvalidVersion:
+            continue
+        if not version.is_prerelease and not version.is_devrelease and low <= version <= high:
+            parsed.append(version)
+    chosen = [str(v) for v in sorted(set(parsed))]
+    for end in (str(low), str(high)):
+        if end not in chosen:
+            raise BisectError(f"{end} is not a released version the index lists")
+    return chosen
+
+
+def parse_index_listing(text: str) -> list[str]:
+    match = re.search(r"Available versions:\s*(.+)", text)
+    if not match:
+        raise BisectError("pip's index listed no versions")
+    return [v.strip() for v in match.group(1).split(",") if v.strip()]
+
+
+def first_change(versions: list[str], state_of) -> tuple[str, str, str]:
+    """Binary search for the first version whose state differs from versions[0]'s.
+
+    Assumes one change between the ends (as any bisection does). Returns (version, old
+    state, new state)."""
+    start, end = state_of(versions[0]), state_of(versions[-1])
+    if start == end:
+        raise BisectError(f"{versions[0]} and {versions[-1]} give the same result ({start}): nothing to bisect")
+    lo, hi = 0, len(versions) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if state_of(versions[mid]) == start:
+            lo = mid
+        else:
+            hi = mid
+    return versions[hi], start, state_of(versions[hi])
+
+
+class ScratchEnvironment:
+    """A venv with torch, the project and a stack's pins, reused across bisections."""
+
+    def __init__(self, stack: version_stacks.Stack, torch_requirement: str) -> None:
+        self.stack = stack
+        self.path = SCRATCH / stack.name
+        self.python = self.path / "bin" / "python"
+        self.torch_requirement = torch_requirement
+
+    def pip(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.python), "-m", "pip", *args], capture_output=True, text=True)
+
+    def ensure(self) -> None:
+        stamp = self.path / ".bisect-stack"
+        key = json.dumps([self.torch_requirement, *self.stack.pins, (ROOT / "pyproject.toml").read_text()])
+        if stamp.exists() and stamp.read_text() == key:
+            return
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(self.path)], check=True)
+        for args in ([self.torch_requirement], ["-e", str(ROOT)], list(self.stack.pins)):
+            if args:
+                done = self.pip("install", "-q", *args)
+                if done.returncode:
+                    raise BisectError(f"could not install {' '.join(args)}: {done.stderr.strip().splitlines()[-1:]}")
+        stamp.write_text(key)
+
+    def released_versions(self, package: str) -> list[str]:
+        done = self.pip("index", "versions", package)
+        if done.returncode:
+            raise BisectError(f"pip's index has no package {package!r}")
+        return parse_index_listing(done.stdout)
+
+    def run_cell(self, package: str, version: str, cell: str, extra: list[str]) -> Trial:
+        start = time.perf_counter()
+        installed = self.pip("install", "-q", f"{package}=={version}")
+        if installed.returncode:
+            last = (installed.stderr.strip().splitlines() or ["pip failed"])[-1]
+            return Trial(version, f"error: install failed: {last}", None, time.perf_counter() - start)
+        with tempfile.TemporaryDirectory() as reports:
+            command = [
+                str(self.python),
+                "-m",
+                "pytest",
+                f"cases/test_cells.py::test_cell[{cell}]",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--report-dir",
+                reports,
+                *extra,
+            ]
+            env = {**os.environ, "MATRIX_STACK": self.stack.name}
+            subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+            results = sorted(Path(reports).glob("*/results.json"))
+            if not results:
+                return Trial(version, "error: the cell did not run", None, time.perf_counter() - start)
+            (record,) = [c for c in json.loads(results[-1].read_text())["cells"] if c["id"] == cell]
+        signature = record["signature"]
+        if record["outcome"] in ("failed", "known"):
+            state = f"failed {signature['id']}"
+        elif record["outcome"] in ("passed", "fixed"):
+            state = "passed"
+        else:
+            state = f"error: {record['outcome']} ({record.get('skip_reason')})"
+        return Trial(version, state, signature["text"] if signature else None, time.perf_counter() - start)
+
+
+def bisect(
+    package: str, good: str, bad: str, cell: str, stack_name: str, reports_root: Path, extra: list[str], log=print
+) -> dict:
+    from matrix.cells import cell_from_id
+
+    stacks = version_stacks.load()
+    if stack_name not in stacks:
+        raise BisectError(f"--stack: unknown stack {stack_name!r}; known: {', '.join(stacks)}")
+    if cell_from_id(cell) is None:
+        raise BisectError(f"--cell: no cell {cell!r} (ids look like gemma-cache-bf16-mixed-eval-cpu-torch)")
+    env = ScratchEnvironment(stacks[stack_name], os.environ.get("MATRIX_TORCH", DEFAULT_TORCH))
+    log(f"scratch environment for stack {stack_name}: {env.path}")
+    env.ensure()
+    versions = versions_between(env.released_versions(package), good, bad)
+    log(f"{len(versions)} releases of {package} from {versions[0]} to {versions[-1]}")
+    trials: dict[str, Trial] = {}
+
+    def state_of(version: str) -> str:
+        if version not in trials:
+            trials[version] = env.run_cell(package, version, cell, extra)
+            log(f"  {package}=={version}: {trials[version].state}")
+        if trials[version].state.startswith("error"):
+            raise BisectError(f"{package}=={version}: {trials[version].state}")
+        return trials[version].state
+
+    changed, before, after = first_change(versions, state_of)
+    result = {
+        "package": package,
+        "cell": cell,
+        "stack": stack_name,
+        "pins": list(stacks[stack_name].pins),
+        "range": [versions[0], versions[-1]],
+        "candidates": versions,
+        "first_changed": changed,
+        "from_state": before,
+        "to_state": after,
+        "last_before_change": versions[versions.index(changed) - 1],
+        "evidence": [asdict(t) for t in sorted(trials.values(), key=lambda t: Version(t.version))],
+    }
+    directory = reports_root / ("bisect-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    directory.mkdir(parents=True)
+    (directory / "bisect.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(
+        f"first version where {cell} changes: {package}=={changed} ({before} -> {after}); "
+        f"last before it: {result['last_before_change']}"
+    )
+    log(f"written: {directory / 'bisect.json'}")
+    return result
