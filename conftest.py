@@ -113,7 +113,7 @@ def pytest_configure(config):
         config.stash[catalogue_key] = known_failures.load(catalogue_path)
     except (OSError, known_failures.CatalogueError) as error:
         raise pytest.UsageError(f"--catalogue: {error}") from None
-    config.stash[installed_key] = known_failures.installed_versions(environment.PACKAGES)
+    config.stash[installed_key] = environment.package_versions()
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = config.getoption("matrix_report_dir") or Path(__file__).parent / "reports"
         config.stash[recorder_key] = Recorder(config, Path(root))
@@ -237,6 +237,6 @@ class Recorder:
             counts = matrix_report.outcome_counts(self.records.values())
             terminalreporter.write_sep("=", "precision matrix")
             terminalreporter.write_line(
-                f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped cells; "
-                f"report: {self.written / 'summary.md'}"
+                f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
+                f"{counts['passed']} passed, {counts['skipped']} skipped cells; report: {self.written / 'summary.md'}"
             )

@@ -9,7 +9,6 @@ its selectors matches the cell. Then:
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,16 +74,6 @@ class Catalogue:
 
     def by_id(self, entry_id: str) -> Entry:
         return next(e for e in self.entries if e.id == entry_id)
-
-
-def installed_versions(packages) -> dict[str, str | None]:
-    found = {}
-    for name in packages:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def classify(outcome: str, signature_text: str | None, entries_in_force: list[Entry]) -> tuple[str, Entry | None]:

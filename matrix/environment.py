@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from matrix import devices
+from matrix.versions import installed_versions
 
 PACKAGES = (
     "torch",
@@ -28,13 +28,7 @@ CUDA_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
 
 def package_versions() -> dict[str, str | None]:
-    found = {}
-    for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return installed_versions(PACKAGES)
 
 
 def cpu_name() -> str:

@@ -224,6 +224,17 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
     checks.check_engine_agreement(key.replace("_", " "), loss, reference, tolerance)
 
 
+def check_resumed_one_step(losses: list[float], checkpoint_model, resumed_model) -> None:
+    """A library resumed from the step-3 checkpoint: exactly one step ran, and it moved the
+    weights away from the checkpoint's."""
+    if len(losses) != 1:
+        raise checks.CheckFailure(
+            "resuming from the checkpoint did not run exactly the one remaining step",
+            details=f"{len(losses)} training steps ran",
+        )
+    checks.check_parameters_changed(snapshot_trainable(checkpoint_model), resumed_model)
+
+
 def same_weights_copy(state: CellState, model):
     """A fresh model of the kind in the precision, holding `model`'s weights: free of any
     forward wrapper a library put on `model`, so outputs compare like with like."""

@@ -126,10 +126,8 @@ class AccelerateEngine(Engine):
     name = "accelerate"
     description = "accelerate.Accelerator: prepare, backward, save_state/load_state"
 
-    def phases(self, mode):
-        if mode == "train":
-            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
 
     def cleanup(self, state: CellState) -> None:
         _reset_accelerate(state)

@@ -17,16 +17,16 @@ Phase = Callable[[CellState], None]
 class Engine(abc.ABC):
     name: str
     description: str
+    # one function per phase name, in PHASE_NAMES order (functions named after their phase)
+    train_phases: tuple[Phase, ...]
+    eval_phases: tuple[Phase, ...]
 
-    @abc.abstractmethod
     def phases(self, mode: str) -> dict[str, Phase]:
         """Phase name -> function, for every phase of the mode."""
-
-    def phase_table(self, *functions: Phase) -> dict[str, Phase]:
+        functions = self.train_phases if mode == "train" else self.eval_phases
         table = {function.__name__: function for function in functions}
-        modes = [mode for mode, names in PHASE_NAMES.items() if tuple(table) == names]
-        if not modes:
-            raise ValueError(f"{self.name}: phases {tuple(table)} match no mode's {PHASE_NAMES}")
+        if tuple(table) != PHASE_NAMES[mode]:
+            raise ValueError(f"{self.name}: {mode} phases {tuple(table)} are not {PHASE_NAMES[mode]}")
         return table
 
     def settings(self, precision: Precision) -> dict:

@@ -22,6 +22,7 @@ from matrix.phases import (
     check_against_fp32,
     check_agrees_with_torch_engine,
     check_reload,
+    check_resumed_one_step,
     check_training_contract,
     evaluate_in_precision,
     same_weights_copy,
@@ -218,22 +219,15 @@ def resumed_step(state: CellState) -> None:
     trainer = _trainer(state, model, TRAIN_STEPS + 1)
     _run(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
     state.metrics["resumed_losses"] = trainer.training_losses
-    if len(trainer.training_losses) != 1:
-        raise checks.CheckFailure(
-            "resuming from the checkpoint did not run exactly the one remaining step",
-            details=f"{len(trainer.training_losses)} training steps ran",
-        )
-    checks.check_parameters_changed(snapshot_trainable(state.engine_state["reloaded"]), model)
+    check_resumed_one_step(trainer.training_losses, state.engine_state["reloaded"], model)
 
 
 class HFTrainerEngine(Engine):
     name = "hf-trainer"
     description = "transformers Trainer: train() with eval/save on a step schedule, resume_from_checkpoint"
 
-    def phases(self, mode):
-        if mode == "train":
-            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
 
     def cleanup(self, state: CellState) -> None:
         state.engine_state.clear()

@@ -23,6 +23,7 @@ from matrix.phases import (
     check_against_fp32,
     check_agrees_with_torch_engine,
     check_reload,
+    check_resumed_one_step,
     check_training_contract,
     snapshot_trainable,
 )
@@ -181,22 +182,15 @@ def resumed_step(state: CellState) -> None:
     path = _checkpoint_file(state)
     _run(lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state)
     state.metrics["resumed_losses"] = module.training_losses
-    if len(module.training_losses) != 1:
-        raise checks.CheckFailure(
-            "resuming from the checkpoint did not run exactly the one remaining step",
-            details=f"{len(module.training_losses)} training steps ran",
-        )
-    checks.check_parameters_changed(snapshot_trainable(state.engine_state["reloaded"]), model)
+    check_resumed_one_step(module.training_losses, state.engine_state["reloaded"], model)
 
 
 class LightningEngine(Engine):
     name = "lightning"
     description = "Lightning Trainer(precision=...): fit with validation, ModelCheckpoint, resume"
 
-    def phases(self, mode):
-        if mode == "train":
-            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
 
     def cleanup(self, state: CellState) -> None:
         state.engine_state.clear()

@@ -122,7 +122,5 @@ class TorchEngine(Engine):
     name = "torch"
     description = "hand-written loop: torch.autocast, torch.amp.GradScaler, AdamW"
 
-    def phases(self, mode):
-        if mode == "train":
-            return self.phase_table(train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-        return self.phase_table(evaluate, checkpoint_save, checkpoint_reload)
+    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
+    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)

@@ -1,0 +1,92 @@
+"""Bisection: the candidate list, the search, and bad input."""
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from matrix.bisect import BisectError, first_change, parse_index_listing, versions_between
+
+LISTING = (
+    "transformers (5.23.0)\n"
+    "Available versions: 4.51.3, 4.51.0, 4.50.3, 4.50.2, 4.50.1, 4.50.0, 4.49.0, 4.51.0rc1, 4.5.1"
+)
+
+
+def test_index_listing_is_parsed():
+    assert parse_index_listing(LISTING)[:3] == ["4.51.3", "4.51.0", "4.50.3"]
+    with pytest.raises(BisectError):
+        parse_index_listing("ERROR: No matching distribution found")
+
+
+def test_candidates_are_releases_between_the_ends_in_version_order():
+    listed = parse_index_listing(LISTING)
+    expected = ["4.50.0", "4.50.1", "4.50.2", "4.50.3", "4.51.0"]
+    assert versions_between(listed, "4.50.0", "4.51.0") == expected
+    assert versions_between(listed, "4.51.0", "4.50.0") == expected  # either order: breaking or fixing
+    # numeric, not string, order: 4.5.1 is far older than 4.50.0 and left out
+    assert "4.5.1" not in versions_between(listed, "4.49.0", "4.51.3")
+    assert "4.51.0rc1" not in versions_between(listed, "4.49.0", "4.51.3")  # no pre-releases
+
+
+def test_an_end_the_index_does_not_list_is_refused():
+    with pytest.raises(BisectError, match=r"4\.50\.9 is not a released version"):
+        versions_between(parse_index_listing(LISTING), "4.50.9", "4.51.0")
+
+
+@given(st.integers(min_value=2, max_value=60), st.data())
+def test_the_search_finds_the_first_changed_version_with_few_trials(count, data):
+    versions = [f"1.{i}.0" for i in range(count)]
+    change = data.draw(st.integers(min_value=1, max_value=count - 1))
+    fixing = data.draw(st.booleans())
+    tried = []
+
+    def state_of(version):
+        tried.append(version)
+        after = versions.index(version) >= change
+        return ("passed" if after else "failed sig-1") if fixing else ("failed sig-1" if after else "passed")
+
+    found, before, after = first_change(versions, state_of)
+    assert found == versions[change]
+    assert before != after
+    assert len(set(tried)) <= 2 + (count - 1).bit_length()  # ends + a binary search
+
+
+def test_a_signature_change_counts_as_a_change():
+    versions = ["1.0", "1.1", "1.2"]
+    states = {"1.0": "failed sig-a", "1.1": "failed sig-a", "1.2": "failed sig-b"}
+    assert first_change(versions, states.__getitem__) == ("1.2", "failed sig-a", "failed sig-b")
+
+
+def test_same_result_at_both_ends_is_refused():
+    with pytest.raises(BisectError, match="nothing to bisect"):
+        first_change(["1.0", "1.1"], lambda version: "passed")
+
+
+def test_bad_input_is_one_line_and_exit_status_2():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "matrix",
+            "bisect",
+            "--package",
+            "transformers",
+            "--good",
+            "4.51.0",
+            "--bad",
+            "4.50.0",
+            "--cell",
+            "gemma-cache-bf16-loaded-mixed-eval-cpu-accelerate",
+            "--stack",
+            "no-such-stack",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "python -m matrix bisect: --stack: unknown stack 'no-such-stack'; known: default, seed-001-gemma3-hybridcache"
+    ]
