@@ -1,4 +1,4 @@
-"""python -m matrix bisect ...: see matrix/bisect.py."""
+"""python -m matrix bisect ... (matrix/bisect.py) and python -m matrix repro ... (matrix/repro.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     bisect.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to bisect on")
     bisect.add_argument("--report-dir", default=str(Path(__file__).resolve().parent.parent / "reports"))
+    repro = commands.add_parser("repro", help="write a standalone script that reproduces one cell")
+    repro.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
+    repro.add_argument("--run", type=Path, help="a report directory or results.json: its pins and failing phase")
+    repro.add_argument("-o", "--output", type=Path, help="where to write the script (default: stdout)")
     args, extra = parser.parse_known_args(argv)
+
+    if args.command == "repro":
+        from matrix.repro import ReproError, generate
+
+        try:
+            script = generate(args.cell, args.run)
+        except ReproError as error:
+            print(f"python -m matrix repro: {error}", file=sys.stderr)
+            return 2
+        if args.output:
+            args.output.write_text(script)
+        else:
+            sys.stdout.write(script)
+        return 0
 
     from matrix.bisect import BisectError
     from matrix.bisect import bisect as run_bisect

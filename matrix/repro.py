@@ -1,0 +1,337 @@
+"""Standalone reproduction scripts: `python -m matrix repro <cell-id> [--run reports/<run-id>]`.
+
+The script imports only the upstream libraries (torch, transformers, peft, safetensors), with
+the model config, the batch, the precision's settings and the phases up to the failing one
+written out, and the pins of the run in its docstring. It exits 1 and prints the exception
+when the bug is present, 0 when every phase completes.
+
+Written so far for the torch engine (the hand-written loop, which is plain torch already) and
+for failures the stack raises; a failure found by one of the matrix's own checks
+(matrix.checks.*) has no exception of the stack's to reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from matrix.cells import cell_from_id
+from matrix.environment import package_versions
+from matrix.models import MODELS, base
+from matrix.models.causal_lm import DTYPE_ARGUMENT, TINY_DECODER_CONFIG
+from matrix.models.gemma_cache import SLIDING_WINDOW
+from matrix.models.lora import LORA_RANK, TARGET_MODULES
+from matrix.models.tiny_transformer import DROPOUT, NUM_CLASSES
+from matrix.phases import LEARNING_RATE, MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS
+from matrix.precisions import PRECISIONS
+
+PINNED = ("torch", "transformers", "peft", "accelerate", "safetensors")
+
+
+class ReproError(ValueError):
+    """This cell cannot be written as a standalone script (yet): one line, exit status 2."""
+
+
+def _dtype(dtype: torch.dtype | None) -> str:
+    return f"torch.{str(dtype).removeprefix('torch.')}" if dtype is not None else "None"
+
+
+def _batch_literal(cell) -> str:
+    batch = MODELS[cell.model].batch(torch.device("cpu"))
+    lines = ["BATCH = {"]
+    for key, tensor in batch.items():
+        lines.append(f"    {key!r}: torch.tensor({tensor.tolist()!r}, dtype={_dtype(tensor.dtype)}),")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+ENCODER = f"""
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+
+
+class EncoderClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding({base.VOCAB_SIZE}, {base.HIDDEN_SIZE}, padding_idx={base.PAD_TOKEN_ID})
+        layer = nn.TransformerEncoderLayer(
+            d_model={base.HIDDEN_SIZE}, nhead={base.NUM_HEADS}, dim_feedforward={base.INTERMEDIATE_SIZE},
+            dropout={DROPOUT}, batch_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers={base.NUM_LAYERS})
+        self.head = nn.Linear({base.HIDDEN_SIZE}, {NUM_CLASSES})
+
+    def forward(self, input_ids, padding_mask):
+        hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask)
+        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
+        return self.head((hidden * keep).sum(dim=1) / keep.sum(dim=1))
+
+
+def create():
+    return EncoderClassifier()
+
+
+def save(model, directory):
+    save_file({{k: v.contiguous() for k, v in model.state_dict().items()}}, f"{{directory}}/model.safetensors")
+
+
+def load_weights(directory, dtype):
+    model = EncoderClassifier().to(dtype)
+    model.load_state_dict(load_file(f"{{directory}}/model.safetensors"))
+    return model
+
+
+def loss_of(model, batch):
+    return F.cross_entropy(model(batch["input_ids"], batch["padding_mask"]).float(), batch["labels"])
+
+
+def evaluate_model(model, batch):
+    return loss_of(model, batch)
+"""
+
+DECODER = """
+from transformers import {config_class}, {model_class}
+
+CONFIG = {config!r}
+
+
+def create():
+    return {model_class}({config_class}(**CONFIG))
+
+
+def save(model, directory):
+    model.save_pretrained(directory)
+
+
+def load_weights(directory, dtype):
+    return {model_class}.from_pretrained(directory, {dtype_argument}=dtype)
+
+
+def loss_of(model, batch):
+    return model(**batch, use_cache=False).loss
+
+
+def evaluate_model(model, batch):
+    out = model(**batch, use_cache={use_cache})
+    {generate}
+    return out.loss
+"""
+
+GENERATE = (
+    'model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], '
+    "max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)"
+)
+
+LORA = f"""
+from peft import LoraConfig, PeftModel, get_peft_model
+
+build_base = build  # the base model in the precision, as for tiny-llama; peft keeps the adapters fp32
+
+
+def build():
+    base = build_base()
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r={LORA_RANK}, lora_alpha={2 * LORA_RANK}, lora_dropout=0.0, target_modules={list(TARGET_MODULES)!r}
+    )
+    return get_peft_model(base, config)
+
+
+def reload(directory):
+    return PeftModel.from_pretrained(build_base(), directory, is_trainable=True)
+"""
+
+
+def _model_code(model: str) -> str:
+    if model == "tiny-transformer":
+        return ENCODER
+    config = dict(TINY_DECODER_CONFIG)
+    if model == "gemma-cache":
+        config.update(
+            head_dim=base.HEAD_DIM,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window_pattern=2,
+            use_cache=True,
+        )
+        classes = ("Gemma3TextConfig", "Gemma3ForCausalLM")
+    else:
+        classes = ("LlamaConfig", "LlamaForCausalLM")
+    code = DECODER.format(
+        config_class=classes[0],
+        model_class=classes[1],
+        config=config,
+        dtype_argument=DTYPE_ARGUMENT,
+        use_cache=model == "gemma-cache",
+        generate=GENERATE if model == "gemma-cache" else "pass",
+    )
+    if model == "lora":
+        code += LORA
+    if model not in ("tiny-llama", "gemma-cache", "lora"):
+        raise ReproError(f"model kind {model!r} has no standalone form")
+    return code
+
+
+PHASES = """
+WEIGHTS_DTYPE = {weights}
+AUTOCAST_DTYPE = {autocast}
+GRAD_SCALER = {scaler}
+WEIGHTS_FROM = {weights_from!r}  # "cast": module.to(dtype); "load": from_pretrained(dtype=...) of fp32 weights
+DEVICE = {device!r}
+WORKDIR = tempfile.mkdtemp()
+
+
+def autocast():
+    if AUTOCAST_DTYPE is None:
+        return contextlib.nullcontext()
+    return torch.autocast(DEVICE, dtype=AUTOCAST_DTYPE)
+
+
+def build():
+    torch.manual_seed(0)
+    model = create()
+    if WEIGHTS_FROM == "load":
+        os.makedirs(WORKDIR + "/fp32", exist_ok=True)
+        save(model, WORKDIR + "/fp32")
+        return load_weights(WORKDIR + "/fp32", WEIGHTS_DTYPE).to(DEVICE)
+    return model.to(device=DEVICE, dtype=WEIGHTS_DTYPE)
+
+
+def reload(directory):
+    return load_weights(directory, WEIGHTS_DTYPE).to(DEVICE)
+
+
+def train_steps(state):
+    model = state["model"] = build()
+    model.train()
+    optimizer = state["optimizer"] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr={lr})
+    scaler = state["scaler"] = torch.amp.GradScaler(DEVICE) if GRAD_SCALER else None
+    applied = attempts = 0
+    while applied < {steps} and attempts < {attempts}:
+        attempts += 1
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = loss_of(model, BATCH)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+            applied += 1
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            applied += scaler.get_scale() >= scale
+
+
+def evaluate_now(state):
+    model = state["model"]
+    model.eval()
+    with torch.no_grad(), autocast():
+        return evaluate_model(model, BATCH)
+
+
+def mid_training_eval(state):
+    evaluate_now(state)
+    state["model"].train()
+
+
+def checkpoint_save(state):
+    os.makedirs(WORKDIR + "/checkpoint", exist_ok=True)
+    save(state["model"], WORKDIR + "/checkpoint")
+
+
+def checkpoint_reload(state):
+    state["model"] = reload(WORKDIR + "/checkpoint")
+"""
+
+MAIN = """
+
+def main():
+    state = {{}}
+    for phase in {phases}:
+        print("phase", phase.__name__, flush=True)
+        try:
+            phase(state)
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"REPRODUCED in {{phase.__name__}}: {{type(exc).__name__}}: {{exc}}")
+            return 1
+    print("not reproduced: every phase completed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def generate(cell_id: str, run: Path | None = None) -> str:
+    cell = cell_from_id(cell_id)
+    if cell is None:
+        raise ReproError(f"no cell {cell_id!r} (ids look like tiny-transformer-bf16-mixed-eval-cpu-torch)")
+    if cell.engine != "torch":
+        raise ReproError(f"{cell_id}: only torch-engine cells are written as standalone scripts so far")
+    precision = PRECISIONS[cell.precision]
+    if precision.contradictions():
+        raise ReproError(f"{cell_id}: precision {precision.name!r} fails in the matrix's own policy check")
+    versions, record = package_versions(), None
+    if run is not None:
+        path = run / "results.json" if run.is_dir() else run
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ReproError(f"--run: cannot read {path}: {error}") from None
+        versions = document.get("environment", {}).get("packages", versions)
+        record = next((c for c in document.get("cells", []) if c.get("id") == cell_id), None)
+        if record is None:
+            raise ReproError(f"--run: {path} has no cell {cell_id!r}")
+    phase = record["phase"] if record and record.get("phase") else None
+    if record and record["signature"] and record["signature"]["exception"].startswith("matrix."):
+        raise ReproError(
+            f"{cell_id}: failed a matrix check ({record['signature']['exception']}), not a stack exception"
+        )
+    names = PHASE_NAMES[cell.mode]
+    wanted = list(names[: names.index(phase) + 1]) if phase in names else list(names)
+    runnable = [n for n in wanted if n != "resumed_step"]
+    pins = " ".join(f"{name}=={versions[name]}" for name in PINNED if versions.get(name))
+    seen = f"\nSignature in the matrix run: {record['signature']['text']}" if record and record["signature"] else ""
+    header = f'''#!/usr/bin/env python3
+"""Standalone reproduction of precision-matrix cell {cell_id}.{seen}
+
+    pip install {pins}
+
+Model {cell.model}, precision {cell.precision} ({precision.summary}), mode {cell.mode}, device
+{cell.device}; phases: {", ".join(wanted)}. Exits 1 printing the exception when the failure
+is present, 0 when every phase completes. Imports nothing but the upstream libraries.
+"""
+
+import contextlib
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+'''
+    evaluate_phase = "\n\ndef evaluate(state):\n    state['model'] = build()\n    evaluate_now(state)\n"
+    body = (
+        _model_code(cell.model)
+        + "\n"
+        + _batch_literal(cell).replace("torch.tensor(", "torch.tensor(").replace("),\n", ").to(DEVICE),\n")
+    )
+    phases = PHASES.format(
+        weights=_dtype(precision.weights_dtype),
+        autocast=_dtype(precision.autocast_dtype),
+        scaler=precision.grad_scaler,
+        weights_from=precision.weights_from,
+        device=cell.device,
+        lr=LEARNING_RATE,
+        steps=TRAIN_STEPS,
+        attempts=MAX_STEP_ATTEMPTS,
+    )
+    return header + phases + body + evaluate_phase + MAIN.format(phases="[" + ", ".join(runnable) + "]")
