@@ -21,6 +21,7 @@ from matrix.phases import (
     check_agrees_with_torch_engine,
     check_reload,
     check_training_contract,
+    resume_one_step,
     snapshot_trainable,
     train_until_applied,
 )
@@ -116,10 +117,7 @@ def checkpoint_reload(state: CellState) -> None:
 
 
 def resumed_step(state: CellState) -> None:
-    state.model.train()
-    before = snapshot_trainable(state.model)
-    state.metrics["resumed_losses"] = train_until_applied(state, lambda: _step(state, state.model, state.optimizer), 1)
-    checks.check_parameters_changed(before, state.model)
+    resume_one_step(state, lambda: _step(state, state.model, state.optimizer))
 
 
 class AccelerateEngine(Engine):

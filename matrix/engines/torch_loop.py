@@ -14,6 +14,7 @@ from matrix.phases import (
     check_reload,
     check_training_contract,
     evaluate_in_precision,
+    resume_one_step,
     snapshot_trainable,
     train_until_applied,
 )
@@ -110,12 +111,7 @@ def checkpoint_reload(state: CellState) -> None:
 
 
 def resumed_step(state: CellState) -> None:
-    state.model.train()
-    before = snapshot_trainable(state.model)
-    state.metrics["resumed_losses"] = train_until_applied(
-        state, lambda: _train_step(state, state.model, state.optimizer, state.scaler), 1
-    )
-    checks.check_parameters_changed(before, state.model)
+    resume_one_step(state, lambda: _train_step(state, state.model, state.optimizer, state.scaler))
 
 
 class TorchEngine(Engine):
