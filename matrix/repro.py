@@ -42,7 +42,7 @@ def _batch_literal(cell) -> str:
     batch = MODELS[cell.model].batch(torch.device("cpu"))
     lines = ["BATCH = {"]
     for key, tensor in batch.items():
-        lines.append(f"    {key!r}: torch.tensor({tensor.tolist()!r}, dtype={_dtype(tensor.dtype)}),")
+        lines.append(f"    {key!r}: torch.tensor({tensor.tolist()!r}, dtype={_dtype(tensor.dtype)}).to(DEVICE),")
     lines.append("}")
     return "\n".join(lines)
 
@@ -319,11 +319,7 @@ import traceback
 import torch
 '''
     evaluate_phase = "\n\ndef evaluate(state):\n    state['model'] = build()\n    evaluate_now(state)\n"
-    body = (
-        _model_code(cell.model)
-        + "\n"
-        + _batch_literal(cell).replace("torch.tensor(", "torch.tensor(").replace("),\n", ").to(DEVICE),\n")
-    )
+    body = _model_code(cell.model) + "\n" + _batch_literal(cell)
     phases = PHASES.format(
         weights=_dtype(precision.weights_dtype),
         autocast=_dtype(precision.autocast_dtype),

@@ -41,7 +41,7 @@ def _accelerator(state: CellState) -> Accelerator:
     return accelerator
 
 
-def _reset_accelerate(state: CellState) -> None:
+def reset_accelerate(state: CellState) -> None:
     """The Accelerator's state is a process-wide singleton: forget it."""
     state.engine_state.pop("accelerator", None)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -108,7 +108,7 @@ def checkpoint_save(state: CellState) -> None:
 
 def checkpoint_reload(state: CellState) -> None:
     # A resumed run starts a new Accelerator, as a new process would.
-    _reset_accelerate(state)
+    reset_accelerate(state)
     fresh = state.kind.build(state.precision, state.device, state.workdir)
     fresh, optimizer = _prepare(state, fresh, with_optimizer=state.optimizer is not None)
     state.engine_state["accelerator"].load_state(str(state.workdir / "accelerate-state"))
@@ -128,4 +128,4 @@ class AccelerateEngine(Engine):
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
 
     def cleanup(self, state: CellState) -> None:
-        _reset_accelerate(state)
+        reset_accelerate(state)

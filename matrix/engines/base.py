@@ -14,6 +14,16 @@ from matrix.precisions import Precision
 Phase = Callable[[CellState], None]
 
 
+def run_tagged(call, tracker):
+    """Run a library call that spans several phases (Trainer.train(), Lightning's fit()); an
+    exception is tagged with the phase the tracker last saw, so run_cell records that phase."""
+    try:
+        return call()
+    except Exception as exc:
+        exc.matrix_phase = tracker.phase
+        raise
+
+
 class Engine(abc.ABC):
     name: str
     description: str

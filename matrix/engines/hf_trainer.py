@@ -10,11 +10,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from matrix import checks
-from matrix.engines.base import Engine
+from matrix.engines.accelerate_loop import reset_accelerate
+from matrix.engines.base import Engine, run_tagged
 from matrix.phases import (
     LEARNING_RATE,
     TRAIN_STEPS,
@@ -130,14 +130,6 @@ def _trainer(state: CellState, model, max_steps: int) -> RecordingTrainer:
     return trainer
 
 
-def _run(call, tracker: PhaseTracker):
-    try:
-        return call()
-    except Exception as exc:
-        exc.matrix_phase = tracker.phase  # the phase Trainer was in when it raised
-        raise
-
-
 def _evaluate_through_trainer_model(state: CellState):
     model = state.engine_state["trainer"].model
     model.eval()
@@ -149,7 +141,7 @@ def train_steps(state: CellState) -> None:
     state.build()
     trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
     trainer = _trainer(state, state.model, TRAIN_STEPS)
-    _run(trainer.train, state.engine_state["tracker"])
+    run_tagged(trainer.train, state.engine_state["tracker"])
     state.metrics["train_losses"] = trainer.training_losses
     for loss in trainer.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
@@ -170,7 +162,7 @@ def evaluate(state: CellState) -> None:
     trainer = _trainer(state, state.model, TRAIN_STEPS)
     tracker = state.engine_state["tracker"]
     tracker.phase = "evaluate"
-    metrics = _run(trainer.evaluate, tracker)
+    metrics = run_tagged(trainer.evaluate, tracker)
     state.metrics["trainer_eval_loss"] = metrics.get("eval_loss")
     result = _evaluate_through_trainer_model(state)  # generate() too, for gemma-cache
     check_against_fp32(state, result, "eval")
@@ -213,11 +205,10 @@ def checkpoint_reload(state: CellState) -> None:
 
 
 def resumed_step(state: CellState) -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)  # a resumed run is a new process
-    GradientState._reset_state()
+    reset_accelerate(state)  # a resumed run is a new process
     model = state.kind.build(state.precision, state.device, state.workdir)
     trainer = _trainer(state, model, TRAIN_STEPS + 1)
-    _run(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
+    run_tagged(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
     state.metrics["resumed_losses"] = trainer.training_losses
     check_resumed_one_step(trainer.training_losses, state.engine_state["reloaded"], model)
 
@@ -230,6 +221,5 @@ class HFTrainerEngine(Engine):
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
 
     def cleanup(self, state: CellState) -> None:
+        reset_accelerate(state)  # the Trainer runs on accelerate's process-wide state
         state.engine_state.clear()
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from matrix import checks
-from matrix.engines.base import Engine
+from matrix.engines.base import Engine, run_tagged
 from matrix.phases import (
     LEARNING_RATE,
     TRAIN_STEPS,
@@ -104,14 +104,6 @@ def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
     return trainer
 
 
-def _run(call, state: CellState):
-    try:
-        return call()
-    except Exception as exc:
-        exc.matrix_phase = state.engine_state["tracker"].phase
-        raise
-
-
 def _evaluate_as_lightning(state: CellState, model):
     """Evaluation under the precision plugin's own forward context, as Lightning validates."""
     model.eval()
@@ -132,7 +124,10 @@ def train_steps(state: CellState) -> None:
     module = CellModule(state, state.model)
     trainer = _trainer(state, TRAIN_STEPS, "train_steps")
     state.engine_state["module"] = module
-    _run(lambda: trainer.fit(module, train_dataloaders=_loader(state), val_dataloaders=_loader(state)), state)
+    run_tagged(
+        lambda: trainer.fit(module, train_dataloaders=_loader(state), val_dataloaders=_loader(state)),
+        state.engine_state["tracker"],
+    )
     state.metrics["train_losses"] = module.training_losses
     for loss in module.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
@@ -152,7 +147,9 @@ def evaluate(state: CellState) -> None:
     module = CellModule(state, state.model)
     trainer = _trainer(state, TRAIN_STEPS, "evaluate")
     state.engine_state["module"] = module
-    _run(lambda: trainer.validate(module, dataloaders=_loader(state), verbose=False), state)
+    run_tagged(
+        lambda: trainer.validate(module, dataloaders=_loader(state), verbose=False), state.engine_state["tracker"]
+    )
     check_against_fp32(state, module.validation_output, "eval")
     check_agrees_with_torch_engine(state, module.validation_output.loss.float().item(), "eval")
 
@@ -161,7 +158,10 @@ def checkpoint_save(state: CellState) -> None:
     if state.cell.mode == "eval":
         (state.workdir / "lightning").mkdir(parents=True, exist_ok=True)
         trainer = state.engine_state["trainer"]
-        _run(lambda: trainer.save_checkpoint(state.workdir / "lightning" / "checkpoint.ckpt"), state)
+        run_tagged(
+            lambda: trainer.save_checkpoint(state.workdir / "lightning" / "checkpoint.ckpt"),
+            state.engine_state["tracker"],
+        )
     state.metrics["checkpoint_files"] = [_checkpoint_file(state).name]
     state.outputs_before_save = _evaluate_as_lightning(state, state.model).logits
 
@@ -180,7 +180,9 @@ def resumed_step(state: CellState) -> None:
     module = CellModule(state, model)
     trainer = _trainer(state, TRAIN_STEPS + 1, "resumed_step")
     path = _checkpoint_file(state)
-    _run(lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state)
+    run_tagged(
+        lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state.engine_state["tracker"]
+    )
     state.metrics["resumed_losses"] = module.training_losses
     check_resumed_one_step(module.training_losses, state.engine_state["reloaded"], model)
 
