@@ -1,6 +1,9 @@
 """pytest wiring for the matrix: axis options, cell parametrization, skip reasons, isolation
 between cells, and result recording where pytest's reports arrive (the controller, when
-pytest-xdist runs workers), so a cell whose worker crashed is still in the report."""
+pytest-xdist runs workers), so a cell whose worker crashed is still in the report.
+
+With --explore, cases/test_explore.py is collected too: one exploration per selected target
+cell (see explorable()), sharing the --explore-seconds budget."""
 
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ transformers.utils.logging.disable_progress_bar()
 AXES = ("model", "precision", "mode", "device", "engine")
 AXES_PROPERTY = "matrix_cell"
 RESULT_PROPERTY = "matrix_result"
+EXPLORATION_PROPERTY = "matrix_exploration"
+EXPLORE_FILE = Path(__file__).resolve().parent / "cases" / "test_explore.py"
 selection_key = pytest.StashKey[dict]()
 catalogue_key = pytest.StashKey[known_failures.Catalogue]()
 installed_key = pytest.StashKey[dict]()
 recorder_key = pytest.StashKey["Recorder"]()
+explore_clock_key = pytest.StashKey["ExploreClock"]()
 
 
 def pytest_addoption(parser):
@@ -86,6 +92,39 @@ def pytest_addoption(parser):
         help="run precision policies that contradict themselves instead of failing them in 'configure'",
     )
     group.addoption(
+        "--explore",
+        dest="matrix_explore",
+        action="store_true",
+        help="also run the hypothesis explorations (cases/test_explore.py) of the selected cells",
+    )
+    group.addoption(
+        "--explore-examples",
+        dest="matrix_explore_examples",
+        type=int,
+        default=50,
+        metavar="N",
+        help="variants tried per explored target, at most (default 50)",
+    )
+    group.addoption(
+        "--explore-seconds",
+        dest="matrix_explore_seconds",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="wall-time budget of all explorations together, shared out among targets (default 300)",
+    )
+    group.addoption(
+        "--explore-seed", dest="matrix_explore_seed", type=int, default=0, metavar="K", help="search seed (default 0)"
+    )
+    group.addoption(
+        "--explore-findings",
+        dest="matrix_explore_findings",
+        type=int,
+        default=3,
+        metavar="M",
+        help="distinct failures to find per target before moving on (default 3)",
+    )
+    group.addoption(
         "--strict-known",
         dest="matrix_strict_known",
         action="store_true",
@@ -120,27 +159,69 @@ def pytest_configure(config):
         config.pluginmanager.register(config.stash[recorder_key], "matrix-recorder")
 
 
+def pytest_ignore_collect(collection_path, config):
+    if collection_path == EXPLORE_FILE and not config.getoption("matrix_explore"):
+        return True  # explorations run only when asked for: they never slow the matrix down
+    return None
+
+
+def explorable(cell: Cell) -> bool:
+    """fp32 is the reference every variant is compared with; a precision that fails its own
+    policy check fails in 'configure' whatever the variant."""
+    return cell.precision != "fp32" and not PRECISIONS[cell.precision].contradictions()
+
+
+def cell_marks(cell: Cell, cuda_index: int) -> list:
+    precision = PRECISIONS[cell.precision]
+    reason = ENGINES[cell.engine].unsupported_reason(precision) or skip_reason(cell.device, precision, cuda_index)
+    return [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
+
+
 def pytest_generate_tests(metafunc):
+    if "explore_target" in metafunc.fixturenames:
+        cuda_index = metafunc.config.getoption("matrix_cuda_device")
+        targets = [c for c in enumerate_cells(metafunc.config.stash[selection_key]) if explorable(c)]
+        metafunc.parametrize(
+            "explore_target", [pytest.param(c, id=c.id, marks=cell_marks(c, cuda_index)) for c in targets]
+        )
     if "cell" not in metafunc.fixturenames:
         return
     own = [m for m in metafunc.definition.iter_markers("parametrize") if "cell" in str(m.args[0])]
     if own:  # a test that parametrizes `cell` itself chooses its own cells
         return
     cuda_index = metafunc.config.getoption("matrix_cuda_device")
-    params = []
-    for cell in enumerate_cells(metafunc.config.stash[selection_key]):
-        precision = PRECISIONS[cell.precision]
-        reason = ENGINES[cell.engine].unsupported_reason(precision) or skip_reason(cell.device, precision, cuda_index)
-        marks = [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
-        params.append(pytest.param(cell, id=cell.id, marks=marks))
+    params = [
+        pytest.param(c, id=c.id, marks=cell_marks(c, cuda_index))
+        for c in enumerate_cells(metafunc.config.stash[selection_key])
+    ]
     metafunc.parametrize("cell", params)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    explorations = 0
     for item in items:
-        cell = getattr(getattr(item, "callspec", None), "params", {}).get("cell")
-        if isinstance(cell, Cell):
-            item.user_properties.append((AXES_PROPERTY, cell.axes()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if isinstance(params.get("cell"), Cell):
+            item.user_properties.append((AXES_PROPERTY, params["cell"].axes()))
+        if isinstance(params.get("explore_target"), Cell):
+            explorations += not any(m.name == "skip" for m in item.iter_markers())
+    config.stash[explore_clock_key] = ExploreClock(config.getoption("matrix_explore_seconds"), explorations)
+
+
+class ExploreClock:
+    """Shares the explorations' wall-time budget out: each target gets what is left divided
+    by the targets still to run, so time a quick target leaves goes to the next ones."""
+
+    def __init__(self, total_seconds: float, targets: int) -> None:
+        self.total, self.targets, self.started = total_seconds, targets, None
+
+    def next_share(self) -> float:
+        if self.started is None:
+            self.started = time.monotonic()
+        left = max(0.0, self.total - (time.monotonic() - self.started))
+        share = left / max(1, self.targets)
+        self.targets = max(0, self.targets - 1)
+        return share
 
 
 @pytest.fixture(autouse=True)
@@ -186,10 +267,25 @@ class Recorder:
         self.run_id = matrix_report.new_run_id()
         self.started = time.time()
         self.records: dict[str, dict] = {}
+        self.explorations: list[dict] = []
         self.written: Path | None = None
 
     def pytest_runtest_logreport(self, report):
         properties = dict(report.user_properties)
+        if EXPLORATION_PROPERTY in properties:
+            if report.when == "call":
+                self.explorations.append(properties[EXPLORATION_PROPERTY])
+            return
+        target_id = report.nodeid.split("::test_explore[", 1)[1][:-1] if "::test_explore[" in report.nodeid else None
+        if target_id is not None:
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                cell = cell_from_id(target_id)
+                if cell is not None:
+                    self.explorations.append(
+                        matrix_report.skipped_exploration_record(cell, reason.removeprefix("Skipped: "))
+                    )
+            return
         axes = properties.get(AXES_PROPERTY)
         if axes is not None:
             cell = Cell(**axes)
@@ -212,7 +308,7 @@ class Recorder:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        if not self.records:
+        if not self.records and not self.explorations:
             return
         finished = time.time()
         run = {
@@ -230,7 +326,9 @@ class Recorder:
             **{f"git_{k}": v for k, v in environment.git_state(Path(__file__).parent).items()},
         }
         env = environment.capture(self.config.getoption("matrix_cuda_device"))
-        self.written = matrix_report.write_report(self.reports_root, run, env, list(self.records.values()))
+        self.written = matrix_report.write_report(
+            self.reports_root, run, env, list(self.records.values()), self.explorations
+        )
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.written:
@@ -240,3 +338,11 @@ class Recorder:
                 f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
                 f"{counts['passed']} passed, {counts['skipped']} skipped cells; report: {self.written / 'summary.md'}"
             )
+            ran = [e for e in self.explorations if e["skip_reason"] is None]
+            if ran:
+                findings = [f for e in ran for f in e["findings"]]
+                terminalreporter.write_line(
+                    f"{len(ran)} explorations, {sum(e['examples_run'] for e in ran)} variants run: "
+                    f"{sum(f['status'] == 'new' for f in findings)} new findings, "
+                    f"{sum(f['status'] == 'known' for f in findings)} known"
+                )

@@ -67,6 +67,20 @@ def matrix(session: nox.Session) -> None:
 
 
 @nox.session
+def explore(session: nox.Session) -> None:
+    """hypothesis explorations of the variants the grid does not run (cases/test_explore.py).
+
+    Defaults: cpu, torch engine, every model, precision and mode; 50 variants per target and
+    300 s in all (--explore-examples, --explore-seconds), seed 0 (--explore-seed). Arguments
+    after -- go to pytest and override them: nox -s explore -- --model tiny-transformer
+    --mode eval; nightly: nox -s explore -- --explore-seconds 3600 --explore-examples 500.
+    """
+    install_stack(session)
+    defaults = ["--device", "cpu", "--engine", "torch"]  # pytest keeps the last value given
+    session.run("python", "-m", "pytest", "cases/test_explore.py", "--explore", *defaults, *session.posargs)
+
+
+@nox.session
 @nox.parametrize("name", list(STACKS))
 def stack(session: nox.Session, name: str) -> None:
     """The matrix on a pinned version stack from matrix/stacks.toml, in its own reused venv.

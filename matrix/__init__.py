@@ -14,6 +14,9 @@ Where things live:
   report.py      - results.json, summary.md, junit.xml
   catalogue.py   - the known-failure catalogue (known_failures.toml) and outcome classification
   engines/       - torch, accelerate, hf-trainer, lightning: what drives a cell's phases
+  variants.py    - the settings the grid holds constant (batch, sizes, cache, loop)
+  strategies.py  - hypothesis strategies over valid variants, per model kind and engine
+  explore.py     - property-based exploration: shrink a failing variant, say what it needs
 """
 
-SCHEMA_VERSION = 2  # 2: outcomes known/fixed, known_failure per cell, known_failures
+SCHEMA_VERSION = 3  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations

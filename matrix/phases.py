@@ -13,6 +13,7 @@ Phases after the failing one are recorded as not run. Nothing is caught that is 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from matrix.models import MODELS, ModelKind
 from matrix.precisions import PRECISIONS, PolicyContradiction, Precision, dtype_name, validate
 from matrix.signatures import Signature, signature_of
 from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance
+from matrix.variants import Variant
 
 PHASE_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train_steps", "mid_training_eval", "checkpoint_save", "checkpoint_reload", "resumed_step"),
@@ -74,6 +76,10 @@ class CellState:
     def device_type(self) -> str:
         return self.device.type
 
+    def eval_grad_context(self):
+        """The grad mode evaluation runs in: no_grad, or inference_mode if the variant says so."""
+        return torch.inference_mode() if self.kind.variant.eval_grad_mode == "inference_mode" else torch.no_grad()
+
     def build(self) -> None:
         self.model = self.kind.build(self.precision, self.device, self.workdir)
         self.batch = self.kind.batch(self.device)
@@ -109,35 +115,39 @@ def effective_settings(state: CellState) -> dict:
 def watch_first_forward(state: CellState, model) -> None:
     """Record the autocast state in force inside the model's first forward.
 
-    The hooks sit on the Linear layers, inside whatever wrapper an engine puts around the
-    model's forward, so they see what the engine really does (accelerate does not autocast
-    to fp16 on a CPU; Lightning turns 16-mixed into bf16 there), not what was asked for. The
-    first Linear actually called reports; then every hook is removed.
+    The hook fires at the model's Linear layers, inside whatever wrapper an engine puts
+    around the model's forward, so it sees what the engine really does (accelerate does not
+    autocast to fp16 on a CPU; Lightning turns 16-mixed into bf16 there), not what was asked
+    for. It is a global module hook, not one on the model's modules: torch's
+    TransformerEncoderLayer leaves its fast path when a module of its own carries a hook, and
+    the observation must not change the code path it observes. The first Linear of the model
+    actually called reports; then the hook is removed.
     """
-    handles = []
+    linears = {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
     def observe(module, args):
+        if id(module) not in linears:
+            return
         enabled = torch.is_autocast_enabled(state.device_type)
         dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
         state.metrics["effective"]["autocast_dtype_in_forward"] = dtype_name(dtype) if dtype else None
         state.metrics["effective"]["first_linear_input_dtype"] = next(
             (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
         )
-        for handle in handles:
-            handle.remove()
+        handle.remove()
 
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            handles.append(module.register_forward_pre_hook(observe))
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(observe)
+    state.engine_state["first_forward_watch"] = handle
 
 
 # ---------------------------------------------------------------- shared checks
 
 
 def evaluate_in_precision(state: CellState, model):
-    """Evaluation as the precision defines it: eval mode, no_grad, the precision's autocast."""
+    """Evaluation as the precision defines it: eval mode, no_grad (or the variant's
+    inference_mode), the precision's autocast."""
     model.eval()
-    with torch.no_grad(), state.precision.autocast(state.device_type):
+    with state.eval_grad_context(), state.precision.autocast(state.device_type):
         return state.kind.evaluate(model, state.batch)
 
 
@@ -207,6 +217,10 @@ def torch_engine_loss(state: CellState, mode: str) -> float:
 
 def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> None:
     if state.cell.engine == "torch":
+        return
+    if mode == "train" and state.kind.variant.dropout > 0:
+        # two engines draw different dropout masks: their training losses are not comparable
+        state.metrics["cross_engine"] = {"not_compared": f"dropout {state.kind.variant.dropout} in training"}
         return
     try:
         reference = torch_engine_loss(state, mode)
@@ -288,21 +302,33 @@ def _record_failure(result: CellResult, phase: str, exc: BaseException) -> None:
     result.traceback = "".join(traceback.format_exception(exc))
 
 
-def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0, run_contradictory: bool = False) -> CellResult:
+def run_cell(
+    cell: Cell,
+    workdir: Path,
+    cuda_index: int = 0,
+    run_contradictory: bool = False,
+    variant: Variant | None = None,
+) -> CellResult:
     """Run a cell's phases. A precision policy that contradicts itself fails in the
     `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
-    record what the stack itself raises."""
+    record what the stack itself raises. `variant` replaces the model kind's grid settings
+    (raises InvalidVariant for settings the kind cannot take)."""
     from matrix.engines import ENGINES
 
+    kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
     precision = PRECISIONS[cell.precision]
+    if kind.variant.grad_accumulation is not None:
+        precision = dataclasses.replace(precision, grad_accumulation=kind.variant.grad_accumulation)
     state = CellState(
         cell=cell,
-        kind=MODELS[cell.model],
+        kind=kind,
         precision=precision,
         device=torch_device(cell.device, cuda_index),
         workdir=workdir,
         metrics={"declared": precision.settings()},
     )
+    if variant is not None:
+        state.metrics["variant"] = kind.variant.only(kind.variant_fields)
     engine = ENGINES[cell.engine]
     state.metrics["engine_settings"] = engine.settings(precision)
     phases = engine.phases(cell.mode)
@@ -333,6 +359,9 @@ def run_cell(cell: Cell, workdir: Path, cuda_index: int = 0, run_contradictory: 
                 break
             result.phases[name] = "passed"
     finally:
+        watch = state.engine_state.pop("first_forward_watch", None)
+        if watch is not None:
+            watch.remove()  # a cell that never ran a Linear leaves no global hook behind
         engine.cleanup(state)
     result.duration_s = round(time.perf_counter() - start, 4)
     return result

@@ -1,4 +1,4 @@
-"""Cell records and the report directory: results.json, summary.md, junit.xml.
+"""Cell and exploration records and the report directory: results.json, summary.md, junit.xml.
 
 results.json follows matrix/results.schema.json (schema_version below). A report directory is
 never overwritten: each run gets reports/<run-id>/, and reports/latest points at the newest.
@@ -71,6 +71,53 @@ def skipped_record(cell: Cell, reason: str) -> dict:
     return record
 
 
+def exploration_record(exploration, catalogue) -> dict:
+    """One explored target (matrix/explore.py): its budget, what ran, and each finding."""
+    findings = []
+    for finding in exploration.findings:
+        entry = catalogue.by_id(finding.known_as) if finding.known_as else None
+        findings.append(
+            {
+                "status": finding.status,
+                "signature": finding.result.signature.as_dict(),
+                "phase": finding.result.phase,
+                "message": finding.result.message,
+                "known_failure": known_failure_record(entry) if entry else None,
+                "variant": finding.variant.only(exploration.fields),
+                "differs_from_base": finding.differs_from_base,
+                "needed": finding.needed,
+                "replay": finding.replay,
+                "repro": finding.repro,
+                "metrics": finding.result.metrics,
+            }
+        )
+    budget = exploration.budget
+    return {
+        "target": exploration.target.id,
+        **exploration.target.axes(),
+        "skip_reason": None,
+        "budget": {
+            "examples": budget.examples,
+            "seconds": budget.seconds,
+            "seed": budget.seed,
+            "findings": budget.findings,
+        },
+        "explored_fields": list(exploration.fields),
+        "base_variant": exploration.base.only(exploration.fields),
+        "examples_run": exploration.examples_run,
+        "fp32_runs": exploration.fp32_runs,
+        "fp32_failures": exploration.fp32_failures,
+        "fp32_failure_examples": exploration.fp32_failure_examples,
+        "stopped_by": exploration.stopped_by,
+        "wall_s": exploration.wall_s,
+        "findings": findings,
+    }
+
+
+def skipped_exploration_record(target: Cell, reason: str) -> dict:
+    return {"target": target.id, **target.axes(), "skip_reason": reason, "findings": []}
+
+
 def harness_failure_record(cell: Cell, phase: str, description: str, duration_s: float = 0.0) -> dict:
     """A cell that failed outside run_cell: a fixture error, or a worker process that died."""
     record = _base_record(cell, "failed")
@@ -110,7 +157,7 @@ def known_failure_index(records: list[dict]) -> dict[str, dict]:
     return index
 
 
-def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
+def results_document(run: dict, environment: dict, records: list[dict], explorations: list[dict] = ()) -> dict:
     records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))
     return {
         "schema_version": SCHEMA_VERSION,
@@ -121,6 +168,7 @@ def results_document(run: dict, environment: dict, records: list[dict]) -> dict:
         "cells": records,
         "signatures": signature_index(records),
         "known_failures": known_failure_index(records),
+        "explorations": list(explorations),
     }
 
 
@@ -246,6 +294,8 @@ def summary_markdown(document: dict) -> str:
     else:
         lines.append("No cell failed.")
 
+    lines += exploration_markdown(document.get("explorations", []))
+
     lines += [
         "",
         "## Precisions",
@@ -261,6 +311,49 @@ def summary_markdown(document: dict) -> str:
         )
     lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
     return "\n".join(lines) + "\n"
+
+
+def exploration_markdown(explorations: list[dict]) -> list[str]:
+    if not explorations:
+        return []
+    ran = [e for e in explorations if e["skip_reason"] is None]
+    findings = [f for e in ran for f in e["findings"]]
+    lines = [
+        "",
+        "## Explorations (hypothesis, matrix/explore.py)",
+        "",
+        f"{len(ran)} targets explored, {sum(e['examples_run'] for e in ran)} variants run, "
+        f"{sum(f['status'] == 'new' for f in findings)} new and {sum(f['status'] == 'known' for f in findings)} "
+        "known findings. A variant that passes in fp32 must pass in the target's precision, within its tolerance.",
+        "",
+        "| target | variants run | fp32 failed | wall s | stopped by | findings |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in explorations:
+        if e["skip_reason"] is not None:
+            lines.append(f"| `{e['target']}` | skipped: {_md(e['skip_reason'])} | | | | |")
+            continue
+        found = ", ".join(f"`{f['signature']['id']}` ({f['status']})" for f in e["findings"]) or "none"
+        lines.append(
+            f"| `{e['target']}` | {e['examples_run']} of {e['budget']['examples']} | {e['fp32_failures']} "
+            f"| {e['wall_s']} | {e['stopped_by']} | {found} |"
+        )
+    for e in ran:
+        for f in e["findings"]:
+            known = f"known: `{f['known_failure']['id']}`" if f["known_failure"] else "**new**"
+            changed = ", ".join(f"{k}={json.dumps(v)}" for k, v in f["differs_from_base"].items()) or "nothing"
+            lines += [
+                "",
+                f"### `{f['signature']['id']}` in `{e['target']}` ({known})",
+                "",
+                f"- failure: {_md(f['signature']['text'])}",
+                f"- minimal variant, changed from the base: {_md(changed)}",
+            ]
+            lines += [f"  - `{name}`: {_md(why)}" for name, why in f["needed"].items()]
+            lines.append(f"- replay: `{f['replay']}`")
+            if f.get("repro"):
+                lines.append(f"- standalone script: `{f['repro']}`")
+    return lines
 
 
 # ------------------------------------------------------------------ junit.xml
@@ -332,9 +425,11 @@ def json_safe(value):
     return value
 
 
-def write_report(reports_root: Path, run: dict, environment: dict, records: list[dict]) -> Path:
+def write_report(
+    reports_root: Path, run: dict, environment: dict, records: list[dict], explorations: list[dict] = ()
+) -> Path:
     directory = create_run_directory(reports_root, run["id"])
-    document = results_document(run, environment, records)
+    document = results_document(run, environment, records, explorations)
     (directory / "results.json").write_text(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
     (directory / "summary.md").write_text(summary_markdown(document))
     (directory / "junit.xml").write_bytes(junit_xml(document))

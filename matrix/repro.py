@@ -19,13 +19,13 @@ import torch
 
 from matrix.cells import cell_from_id
 from matrix.environment import package_versions
-from matrix.models import MODELS, base
-from matrix.models.causal_lm import DTYPE_ARGUMENT, TINY_DECODER_CONFIG
-from matrix.models.gemma_cache import SLIDING_WINDOW
-from matrix.models.lora import LORA_RANK, TARGET_MODULES
-from matrix.models.tiny_transformer import DROPOUT, NUM_CLASSES
+from matrix.models import MODELS, ModelKind, base
+from matrix.models.causal_lm import DTYPE_ARGUMENT
+from matrix.models.tiny_transformer import NUM_CLASSES
 from matrix.phases import LEARNING_RATE, MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS
 from matrix.precisions import PRECISIONS
+from matrix.variants import InvalidVariant
+from matrix.variants import from_json as variant_from_json
 
 PINNED = ("torch", "transformers", "peft", "accelerate", "safetensors")
 
@@ -38,8 +38,8 @@ def _dtype(dtype: torch.dtype | None) -> str:
     return f"torch.{str(dtype).removeprefix('torch.')}" if dtype is not None else "None"
 
 
-def _batch_literal(cell) -> str:
-    batch = MODELS[cell.model].batch(torch.device("cpu"))
+def _batch_literal(kind: ModelKind) -> str:
+    batch = kind.batch(torch.device("cpu"))
     lines = ["BATCH = {"]
     for key, tensor in batch.items():
         lines.append(f"    {key!r}: torch.tensor({tensor.tolist()!r}, dtype={_dtype(tensor.dtype)}).to(DEVICE),")
@@ -47,7 +47,7 @@ def _batch_literal(cell) -> str:
     return "\n".join(lines)
 
 
-ENCODER = f"""
+ENCODER = """
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
@@ -56,16 +56,17 @@ from torch.nn import functional as F
 class EncoderClassifier(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding({base.VOCAB_SIZE}, {base.HIDDEN_SIZE}, padding_idx={base.PAD_TOKEN_ID})
+        self.embed = nn.Embedding({vocab}, {hidden}, padding_idx={pad})
         layer = nn.TransformerEncoderLayer(
-            d_model={base.HIDDEN_SIZE}, nhead={base.NUM_HEADS}, dim_feedforward={base.INTERMEDIATE_SIZE},
-            dropout={DROPOUT}, batch_first=True,
+            d_model={hidden}, nhead={heads}, dim_feedforward={intermediate}, dropout={dropout}, batch_first=True,
         )
-        self.encoder = nn.TransformerEncoder(layer, num_layers={base.NUM_LAYERS})
-        self.head = nn.Linear({base.HIDDEN_SIZE}, {NUM_CLASSES})
+        self.encoder = nn.TransformerEncoder(layer, num_layers={layers})
+        self.head = nn.Linear({hidden}, {classes})
 
-    def forward(self, input_ids, padding_mask):
+    def forward(self, input_ids, padding_mask=None):
         hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask)
+        if padding_mask is None:
+            return self.head(hidden.mean(dim=1))
         keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
         return self.head((hidden * keep).sum(dim=1) / keep.sum(dim=1))
 
@@ -85,7 +86,7 @@ def load_weights(directory, dtype):
 
 
 def loss_of(model, batch):
-    return F.cross_entropy(model(batch["input_ids"], batch["padding_mask"]).float(), batch["labels"])
+    return F.cross_entropy(model(batch["input_ids"], batch.get("padding_mask")).float(), batch["labels"])
 
 
 def evaluate_model(model, batch):
@@ -122,10 +123,10 @@ def evaluate_model(model, batch):
 
 GENERATE = (
     'model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], '
-    "max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)"
+    "max_new_tokens={tokens}, do_sample=False, use_cache={use_cache}, pad_token_id={pad})"
 )
 
-LORA = f"""
+LORA = """
 from peft import LoraConfig, PeftModel, get_peft_model
 
 build_base = build  # the base model in the precision, as for tiny-llama; peft keeps the adapters fp32
@@ -134,9 +135,7 @@ build_base = build  # the base model in the precision, as for tiny-llama; peft k
 def build():
     base = build_base()
     torch.manual_seed(0)
-    config = LoraConfig(
-        r={LORA_RANK}, lora_alpha={2 * LORA_RANK}, lora_dropout=0.0, target_modules={list(TARGET_MODULES)!r}
-    )
+    config = LoraConfig(r={rank}, lora_alpha={alpha}, lora_dropout={dropout}, target_modules={targets!r})
     return get_peft_model(base, config)
 
 
@@ -145,33 +144,42 @@ def reload(directory):
 """
 
 
-def _model_code(model: str) -> str:
-    if model == "tiny-transformer":
-        return ENCODER
-    config = dict(TINY_DECODER_CONFIG)
-    if model == "gemma-cache":
-        config.update(
-            head_dim=base.HEAD_DIM,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window_pattern=2,
-            use_cache=True,
+def _model_code(kind: ModelKind) -> str:
+    variant = kind.variant
+    if kind.name == "tiny-transformer":
+        return ENCODER.format(
+            vocab=base.VOCAB_SIZE,
+            hidden=variant.hidden_size,
+            pad=base.PAD_TOKEN_ID,
+            heads=variant.num_heads,
+            intermediate=variant.intermediate_size,
+            dropout=variant.dropout,
+            layers=variant.num_layers,
+            classes=NUM_CLASSES,
         )
-        classes = ("Gemma3TextConfig", "Gemma3ForCausalLM")
-    else:
-        classes = ("LlamaConfig", "LlamaForCausalLM")
+    if kind.name not in ("tiny-llama", "gemma-cache", "lora"):
+        raise ReproError(f"model kind {kind.name!r} has no standalone form")
+    decoder = kind.base if kind.name == "lora" else kind
+    generate = "pass"
+    if decoder.generate_tokens:
+        generate = GENERATE.format(
+            tokens=decoder.generate_tokens, use_cache=variant.use_cache_in_eval, pad=base.PAD_TOKEN_ID
+        )
     code = DECODER.format(
-        config_class=classes[0],
-        model_class=classes[1],
-        config=config,
+        config_class=decoder.config_class.__name__,
+        model_class=decoder.model_class.__name__,
+        config=decoder.config_kwargs(),
         dtype_argument=DTYPE_ARGUMENT,
-        use_cache=model == "gemma-cache",
-        generate=GENERATE if model == "gemma-cache" else "pass",
+        use_cache=variant.use_cache_in_eval,
+        generate=generate,
     )
-    if model == "lora":
-        code += LORA
-    if model not in ("tiny-llama", "gemma-cache", "lora"):
-        raise ReproError(f"model kind {model!r} has no standalone form")
+    if kind.name == "lora":
+        code += LORA.format(
+            rank=variant.lora_rank,
+            alpha=2 * variant.lora_rank,
+            dropout=variant.dropout,
+            targets=list(variant.lora_targets),
+        )
     return code
 
 
@@ -270,12 +278,29 @@ if __name__ == "__main__":
 """
 
 
-def generate(cell_id: str, run: Path | None = None) -> str:
+def generate(cell_id: str, run: Path | None = None, variant: str | None = None) -> str:
+    """The script for a cell; `variant` (JSON, as an exploration records it) changes its settings."""
     cell = cell_from_id(cell_id)
     if cell is None:
         raise ReproError(f"no cell {cell_id!r} (ids look like tiny-transformer-bf16-mixed-eval-cpu-torch)")
     if cell.engine != "torch":
         raise ReproError(f"{cell_id}: only torch-engine cells are written as standalone scripts so far")
+    kind = MODELS[cell.model]
+    if variant is not None:
+        try:
+            kind = kind.with_variant(variant_from_json(variant, kind.grid_variant))
+        except (InvalidVariant, ValueError) as error:
+            raise ReproError(f"--variant: {error}") from None
+    unsupported = [
+        name
+        for name, value in (
+            ("grad_accumulation", kind.variant.grad_accumulation),
+            ("eval_grad_mode", kind.variant.eval_grad_mode),
+        )
+        if value not in (None, 1, "no_grad")
+    ]
+    if unsupported:
+        raise ReproError(f"--variant: {', '.join(unsupported)} are not written into standalone scripts yet")
     precision = PRECISIONS[cell.precision]
     if precision.contradictions():
         raise ReproError(f"{cell_id}: precision {precision.name!r} fails in the matrix's own policy check")
@@ -300,6 +325,9 @@ def generate(cell_id: str, run: Path | None = None) -> str:
     runnable = [n for n in wanted if n != "resumed_step"]
     pins = " ".join(f"{name}=={versions[name]}" for name in PINNED if versions.get(name))
     seen = f"\nSignature in the matrix run: {record['signature']['text']}" if record and record["signature"] else ""
+    variant_line = (
+        f"\n\nSettings changed from the matrix grid's (an exploration's finding): {variant}" if variant else ""
+    )
     header = f'''#!/usr/bin/env python3
 """Standalone reproduction of precision-matrix cell {cell_id}.{seen}
 
@@ -307,7 +335,7 @@ def generate(cell_id: str, run: Path | None = None) -> str:
 
 Model {cell.model}, precision {cell.precision} ({precision.summary}), mode {cell.mode}, device
 {cell.device}; phases: {", ".join(wanted)}. Exits 1 printing the exception when the failure
-is present, 0 when every phase completes. Imports nothing but the upstream libraries.
+is present, 0 when every phase completes. Imports nothing but the upstream libraries.{variant_line}
 """
 
 import contextlib
@@ -319,7 +347,7 @@ import traceback
 import torch
 '''
     evaluate_phase = "\n\ndef evaluate(state):\n    state['model'] = build()\n    evaluate_now(state)\n"
-    body = _model_code(cell.model) + "\n" + _batch_literal(cell)
+    body = _model_code(kind) + "\n" + _batch_literal(kind)
     phases = PHASES.format(
         weights=_dtype(precision.weights_dtype),
         autocast=_dtype(precision.autocast_dtype),

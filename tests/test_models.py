@@ -4,16 +4,15 @@ import torch
 
 from matrix.cells import Cell
 from matrix.models import MODELS
-from matrix.models.base import SEQUENCE_LENGTHS
-from matrix.models.gemma_cache import SLIDING_WINDOW
 from matrix.phases import run_cell
 from matrix.precisions import PRECISIONS
 
 
 def test_gemma_has_sliding_and_global_layers_and_a_window_the_batch_exceeds():
-    config = MODELS["gemma-cache"].config()
+    kind = MODELS["gemma-cache"]
+    config = kind.config()
     assert set(config.layer_types) == {"sliding_attention", "full_attention"}
-    assert config.sliding_window == SLIDING_WINDOW < max(SEQUENCE_LENGTHS)
+    assert config.sliding_window == kind.variant.sliding_window < max(kind.variant.lengths)
     assert config.use_cache
 
 
@@ -34,9 +33,10 @@ def test_lora_checkpoint_holds_adapters_only(tmp_path):
 
 
 def test_encoder_batch_is_padded_with_a_key_padding_mask():
-    batch = MODELS["tiny-transformer"].batch(torch.device("cpu"))
+    kind = MODELS["tiny-transformer"]
+    batch = kind.batch(torch.device("cpu"))
     lengths = (~batch["padding_mask"]).sum(dim=1).tolist()
-    assert lengths == list(SEQUENCE_LENGTHS) and len(set(lengths)) > 1
+    assert lengths == [8, 5, 2] == list(kind.variant.lengths)
 
 
 def test_causal_lm_batches_are_left_padded_with_ignored_labels():

@@ -100,3 +100,40 @@ def test_what_cannot_be_written_says_why(cell, message, run_dir, tmp_path):
     generated, _ = generate(cell, run_dir, tmp_path)
     assert generated.returncode == 2
     assert generated.stderr.strip().startswith("python -m matrix repro: ") and message in generated.stderr
+
+
+@pytest.mark.parametrize(
+    ("variant", "outcome"),
+    [
+        ('{"seq_len":1,"padding":"right","pad_counts":[0]}', 1),  # an exploration's minimal finding
+        ('{"seq_len":1,"padding":"none","pad_counts":[0]}', 0),  # its base: no padding mask at all
+    ],
+)
+def test_a_script_carries_an_explorations_variant(variant, outcome, tmp_path):
+    cell = "tiny-transformer-bf16-mixed-eval-cpu-torch"
+    script = tmp_path / "variant.py"
+    generated = subprocess.run(
+        [sys.executable, "-m", "matrix", "repro", cell, "--variant", variant, "-o", str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert generated.returncode == 0, generated.stderr
+    text = script.read_text()
+    assert variant in text and "torch.tensor([[" in text
+    done = run_standalone(script, tmp_path)
+    assert done.returncode == outcome, done.stdout + done.stderr
+    if outcome:
+        assert "REPRODUCED in evaluate: RuntimeError: expected scalar type Float but found BFloat16" in done.stdout
+
+
+def test_a_variant_the_model_cannot_take_is_refused(tmp_path):
+    cell = "tiny-llama-bf16-mixed-eval-cpu-torch"
+    generated = subprocess.run(
+        [sys.executable, "-m", "matrix", "repro", cell, "--variant", '{"num_heads":3}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert generated.returncode == 2 and "Traceback" not in generated.stderr
+    assert generated.stderr.startswith("python -m matrix repro: --variant: ")

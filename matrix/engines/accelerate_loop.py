@@ -71,7 +71,7 @@ def _step(state: CellState, model, optimizer) -> tuple[float, bool]:
 
 def _evaluate(state: CellState, model):
     model.eval()
-    with torch.no_grad():
+    with state.eval_grad_context():
         return state.kind.evaluate(model, state.batch)
 
 
@@ -126,6 +126,7 @@ class AccelerateEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    fixed_variant_fields = ("grad_accumulation",)  # micro-batch accumulation is not wired here
 
     def cleanup(self, state: CellState) -> None:
         reset_accelerate(state)

@@ -30,6 +30,9 @@ class Engine(abc.ABC):
     # one function per phase name, in PHASE_NAMES order (functions named after their phase)
     train_phases: tuple[Phase, ...]
     eval_phases: tuple[Phase, ...]
+    # Variant fields (matrix/variants.py) the engine does not implement: exploration keeps
+    # them at the grid's value for this engine
+    fixed_variant_fields: tuple[str, ...] = ()
 
     def phases(self, mode: str) -> dict[str, Phase]:
         """Phase name -> function, for every phase of the mode."""

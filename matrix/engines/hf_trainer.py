@@ -133,7 +133,7 @@ def _trainer(state: CellState, model, max_steps: int) -> RecordingTrainer:
 def _evaluate_through_trainer_model(state: CellState):
     model = state.engine_state["trainer"].model
     model.eval()
-    with torch.no_grad():
+    with state.eval_grad_context():
         return state.kind.evaluate(model, state.batch)
 
 
@@ -194,7 +194,7 @@ def _evaluate_as_trainer_ran(state: CellState, model):
         return evaluate_in_precision(state, model)
     model.eval()
     context = torch.autocast(state.device_type, dtype=getattr(torch, observed)) if observed else nullcontext()
-    with torch.no_grad(), context:
+    with state.eval_grad_context(), context:
         return state.kind.evaluate(model, state.batch)
 
 
@@ -219,6 +219,7 @@ class HFTrainerEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    fixed_variant_fields = ("grad_accumulation",)  # micro-batch accumulation is not wired here
 
     def cleanup(self, state: CellState) -> None:
         reset_accelerate(state)  # the Trainer runs on accelerate's process-wide state

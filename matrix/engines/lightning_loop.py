@@ -80,6 +80,7 @@ def _loader(state: CellState):
 
 def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
     tracker = PhaseTracker(first_phase)
+    grad_mode = state.kind.variant.eval_grad_mode
     checkpoints = ModelCheckpoint(
         dirpath=state.workdir / "lightning", filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
     )
@@ -95,6 +96,8 @@ def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
         enable_model_summary=False,
         callbacks=[tracker, checkpoints],
         default_root_dir=state.workdir,
+        # None: Lightning's own default (validation under inference_mode)
+        **({} if grad_mode is None else {"inference_mode": grad_mode == "inference_mode"}),
     )
     state.engine_state.update(trainer=trainer, tracker=tracker)
     state.metrics["engine_effective"] = {
@@ -107,7 +110,7 @@ def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
 def _evaluate_as_lightning(state: CellState, model):
     """Evaluation under the precision plugin's own forward context, as Lightning validates."""
     model.eval()
-    with torch.no_grad(), state.engine_state["trainer"].precision_plugin.forward_context():
+    with state.eval_grad_context(), state.engine_state["trainer"].precision_plugin.forward_context():
         return state.kind.evaluate(model, state.batch)
 
 
@@ -193,6 +196,7 @@ class LightningEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    fixed_variant_fields = ("grad_accumulation",)  # micro-batch accumulation is not wired here
 
     def cleanup(self, state: CellState) -> None:
         state.engine_state.clear()

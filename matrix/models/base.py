@@ -8,6 +8,7 @@ computes the loss, evaluates, and saves/loads a checkpoint the way its library d
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,17 +16,11 @@ import torch
 from torch import nn
 
 from matrix.precisions import Precision
+from matrix.variants import MAX_POSITIONS, InvalidVariant, Variant, check_common
 
-# All sizes in one place.
+# What no variant changes. The sizes the grid runs with are Variant's defaults
+# (matrix/variants.py); each kind's grid_variant says how its batch is padded.
 VOCAB_SIZE = 99
-HIDDEN_SIZE = 32
-INTERMEDIATE_SIZE = 64
-NUM_LAYERS = 2
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
-HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
-MAX_POSITIONS = 64
-SEQUENCE_LENGTHS = (8, 5, 2)  # one batch of different-length sequences, padded to the longest
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 INIT_SEED = 0
 BATCH_SEED = 1234
@@ -53,11 +48,36 @@ def seeded_tokens(lengths: tuple[int, ...], pad_left: bool, seed: int = BATCH_SE
     return ids, mask
 
 
+def variant_tokens(variant: Variant):
+    """The variant's batch: token ids and attention mask (1 = real token)."""
+    return seeded_tokens(variant.lengths, pad_left=variant.padding == "left")
+
+
 class ModelKind(abc.ABC):
-    """One value of the model axis."""
+    """One value of the model axis, built with `variant`'s settings (the grid's by default)."""
 
     name: str
     description: str
+    grid_variant: Variant = Variant()
+    # the Variant fields this kind reads: what exploration varies and reports record
+    variant_fields: tuple[str, ...] = ("seq_len", "padding", "pad_counts")
+
+    @property
+    def variant(self) -> Variant:
+        return self.__dict__.get("_variant", self.grid_variant)
+
+    def with_variant(self, variant: Variant) -> ModelKind:
+        """This kind built and fed with another variant's settings (after check_variant)."""
+        self.check_variant(variant)
+        configured = copy.copy(self)
+        configured._variant = variant
+        return configured
+
+    def check_variant(self, variant: Variant) -> None:
+        """Raise InvalidVariant for settings this kind cannot be built with or fed."""
+        check_common(variant)
+        if variant.seq_len > MAX_POSITIONS:
+            raise InvalidVariant(f"seq_len {variant.seq_len} exceeds max_position_embeddings {MAX_POSITIONS}")
 
     @abc.abstractmethod
     def create(self) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Shared behaviour of the transformers causal LMs (tiny-llama, gemma-cache)."""
+"""Shared behaviour of the transformers causal LMs (tiny-llama, gemma-cache, lora)."""
 
 from __future__ import annotations
 
@@ -9,39 +9,70 @@ import transformers
 from packaging.version import Version
 
 from matrix.models import base
+from matrix.variants import InvalidVariant, Variant
 
 # transformers 4.56 renamed from_pretrained's torch_dtype to dtype; older stacks need the old name.
 DTYPE_ARGUMENT = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
-# The config fields every tiny decoder shares (transformers' names for base.py's sizes).
-TINY_DECODER_CONFIG = {
-    "vocab_size": base.VOCAB_SIZE,
-    "hidden_size": base.HIDDEN_SIZE,
-    "intermediate_size": base.INTERMEDIATE_SIZE,
-    "num_hidden_layers": base.NUM_LAYERS,
-    "num_attention_heads": base.NUM_HEADS,
-    "num_key_value_heads": base.NUM_KV_HEADS,
-    "max_position_embeddings": base.MAX_POSITIONS,
-    "pad_token_id": base.PAD_TOKEN_ID,
-    "bos_token_id": base.BOS_TOKEN_ID,
-    "eos_token_id": base.EOS_TOKEN_ID,
-}
+DECODER_FIELDS = (
+    *base.ModelKind.variant_fields,
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "num_layers",
+    "intermediate_size",
+    "dropout",
+    "use_cache_in_eval",
+    "grad_accumulation",
+    "eval_grad_mode",
+)
+
+
+def decoder_config(variant: Variant) -> dict:
+    """The config fields every tiny decoder shares, in transformers' names."""
+    return {
+        "vocab_size": base.VOCAB_SIZE,
+        "hidden_size": variant.hidden_size,
+        "intermediate_size": variant.intermediate_size,
+        "num_hidden_layers": variant.num_layers,
+        "num_attention_heads": variant.num_heads,
+        "num_key_value_heads": variant.num_kv_heads,
+        "attention_dropout": variant.dropout,
+        "max_position_embeddings": base.MAX_POSITIONS,
+        "pad_token_id": base.PAD_TOKEN_ID,
+        "bos_token_id": base.BOS_TOKEN_ID,
+        "eos_token_id": base.EOS_TOKEN_ID,
+    }
 
 
 class CausalLMKind(base.ModelKind):
     model_class: type
-    use_cache_in_eval = False
-    generate_tokens = 0  # > 0: evaluation also runs generate() with the KV cache
+    config_class: type
+    # Left padding: what decoder-only generation needs, and what eval loaders feed.
+    grid_variant = Variant(padding="left")
+    variant_fields = DECODER_FIELDS
+    generate_tokens = 0  # > 0: evaluation also runs generate()
+
+    def config_kwargs(self) -> dict:
+        return decoder_config(self.variant)
 
     def config(self):
-        raise NotImplementedError
+        return self.config_class(**self.config_kwargs())
+
+    def check_variant(self, variant: Variant) -> None:
+        super().check_variant(variant)
+        if variant.seq_len + self.generate_tokens > base.MAX_POSITIONS:
+            raise InvalidVariant(f"seq_len {variant.seq_len} + generated tokens exceed {base.MAX_POSITIONS} positions")
+        if variant.num_heads % variant.num_kv_heads:
+            raise InvalidVariant(f"num_heads {variant.num_heads} is not a multiple of num_kv_heads")
+        if variant.seq_len < 2:
+            raise InvalidVariant("a causal LM loss needs a row of at least two tokens")
 
     def create(self):
         return self.model_class(self.config())
 
     def batch(self, device):
-        # Left padding: what decoder-only generation needs, and what eval loaders feed.
-        ids, mask = base.seeded_tokens(base.SEQUENCE_LENGTHS, pad_left=True)
+        ids, mask = base.variant_tokens(self.variant)
         labels = ids.masked_fill(mask == 0, -100)
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
@@ -49,9 +80,10 @@ class CausalLMKind(base.ModelKind):
         return model(**batch, use_cache=False).loss
 
     def evaluate(self, model, batch):
-        out = model(**batch, use_cache=self.use_cache_in_eval)
+        use_cache = self.variant.use_cache_in_eval
+        out = model(**batch, use_cache=use_cache)
         result = base.EvalOutput(loss=out.loss, logits=out.logits)
-        if self.use_cache_in_eval:
+        if use_cache:
             result.extras["cache_type"] = type(out.past_key_values).__name__
         if self.generate_tokens:
             result.generated = model.generate(
@@ -59,7 +91,7 @@ class CausalLMKind(base.ModelKind):
                 attention_mask=batch["attention_mask"],
                 max_new_tokens=self.generate_tokens,
                 do_sample=False,
-                use_cache=True,
+                use_cache=use_cache,
                 pad_token_id=base.PAD_TOKEN_ID,
             )
         return result

@@ -11,25 +11,42 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from matrix.models.base import INIT_SEED
-from matrix.models.causal_lm import CausalLMKind
+from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
 from matrix.models.tiny_llama import TinyLlama
-
-LORA_RANK = 4
-TARGET_MODULES = ("q_proj", "v_proj")
+from matrix.variants import LORA_MODULES, InvalidVariant, Variant
 
 
 class Lora(CausalLMKind):
     name = "lora"
     description = "peft LoRA (r=4, q_proj/v_proj) on tiny-llama"
+    variant_fields = (*DECODER_FIELDS, "lora_rank", "lora_targets")
     base_kind = TinyLlama()
 
-    def build(self, precision, device, workdir):
-        config = LoraConfig(
-            r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=list(TARGET_MODULES)
+    @property
+    def base(self) -> TinyLlama:
+        """tiny-llama built with this kind's variant."""
+        return self.base_kind.with_variant(self.variant)
+
+    def check_variant(self, variant: Variant) -> None:
+        self.base_kind.check_variant(variant)
+        if variant.lora_rank < 1:
+            raise InvalidVariant("lora_rank must be at least 1")
+        if not variant.lora_targets or set(variant.lora_targets) - set(LORA_MODULES):
+            raise InvalidVariant(f"lora_targets must be a non-empty subset of {', '.join(LORA_MODULES)}")
+
+    def lora_config(self) -> LoraConfig:
+        variant = self.variant
+        return LoraConfig(
+            r=variant.lora_rank,
+            lora_alpha=2 * variant.lora_rank,
+            lora_dropout=variant.dropout,
+            target_modules=list(variant.lora_targets),
         )
+
+    def build(self, precision, device, workdir):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)  # adapter initialisation
-            return get_peft_model(self.base_kind.build(precision, device, workdir), config)
+            return get_peft_model(self.base.build(precision, device, workdir), self.lora_config())
 
     def create(self):
         raise NotImplementedError("lora is built on top of tiny-llama, see build()")
@@ -39,7 +56,7 @@ class Lora(CausalLMKind):
 
     def load(self, directory: Path, precision, device, workdir):
         # As peft users do: the base model obtained as before, then the saved adapter on top.
-        base = self.base_kind.build(precision, device, workdir)
+        base = self.base.build(precision, device, workdir)
         return PeftModel.from_pretrained(base, directory, is_trainable=True)
 
     def load_weights(self, directory: Path, dtype, device):

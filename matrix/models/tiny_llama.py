@@ -2,13 +2,19 @@
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from matrix.models.causal_lm import TINY_DECODER_CONFIG, CausalLMKind
+from matrix.models.causal_lm import CausalLMKind
+from matrix.variants import InvalidVariant
 
 
 class TinyLlama(CausalLMKind):
     name = "tiny-llama"
     description = "transformers LlamaForCausalLM, tiny config"
     model_class = LlamaForCausalLM
+    config_class = LlamaConfig
 
-    def config(self):
-        return LlamaConfig(**TINY_DECODER_CONFIG)
+    def check_variant(self, variant) -> None:
+        super().check_variant(variant)
+        if variant.hidden_size % variant.num_heads or (variant.hidden_size // variant.num_heads) % 2:
+            raise InvalidVariant(
+                f"hidden_size {variant.hidden_size} / num_heads {variant.num_heads} is not an even head size (RoPE)"
+            )

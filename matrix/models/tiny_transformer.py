@@ -1,6 +1,7 @@
 """tiny-transformer: a torch nn.TransformerEncoder classifier fed a padded batch with a key
 padding mask, as real encoders are fed. In eval mode torch may take the encoder's fused
-fast path (nested tensors from the padding mask)."""
+fast path (nested tensors from the padding mask). A variant with padding 'none' passes no
+mask at all."""
 
 from __future__ import annotations
 
@@ -12,33 +13,34 @@ from torch import nn
 from torch.nn import functional as F
 
 from matrix.models import base
+from matrix.variants import InvalidVariant, Variant
 
 NUM_CLASSES = 4
-# No dropout: a training forward must give the same loss in every engine, whose random
-# number streams differ (HF configs default to no attention dropout too).
-DROPOUT = 0.0
 WEIGHTS_FILE = "model.safetensors"
 
 
 class EncoderClassifier(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, variant: Variant) -> None:
         super().__init__()
-        self.embed = nn.Embedding(base.VOCAB_SIZE, base.HIDDEN_SIZE, padding_idx=base.PAD_TOKEN_ID)
+        self.embed = nn.Embedding(base.VOCAB_SIZE, variant.hidden_size, padding_idx=base.PAD_TOKEN_ID)
         layer = nn.TransformerEncoderLayer(
-            d_model=base.HIDDEN_SIZE,
-            nhead=base.NUM_HEADS,
-            dim_feedforward=base.INTERMEDIATE_SIZE,
-            dropout=DROPOUT,
+            d_model=variant.hidden_size,
+            nhead=variant.num_heads,
+            dim_feedforward=variant.intermediate_size,
+            dropout=variant.dropout,
             batch_first=True,
         )
-        self.encoder = nn.TransformerEncoder(layer, num_layers=base.NUM_LAYERS)
-        self.head = nn.Linear(base.HIDDEN_SIZE, NUM_CLASSES)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=variant.num_layers)
+        self.head = nn.Linear(variant.hidden_size, NUM_CLASSES)
 
-    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None, labels=None):
         """Logits; with labels, a {"loss", "logits"} dict as the transformers Trainer expects."""
         hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask)
-        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1)
+        if padding_mask is None:
+            pooled = hidden.mean(dim=1)
+        else:
+            keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1)
         logits = self.head(pooled)
         if labels is None:
             return logits
@@ -48,21 +50,38 @@ class EncoderClassifier(nn.Module):
 class TinyTransformer(base.ModelKind):
     name = "tiny-transformer"
     description = "torch nn.TransformerEncoder classifier, key padding mask"
+    # No dropout (Variant's default): a training forward must give the same loss in every
+    # engine, whose random number streams differ.
+    grid_variant = Variant(padding="right")
+    variant_fields = (
+        *base.ModelKind.variant_fields,
+        "hidden_size",
+        "num_heads",
+        "num_layers",
+        "intermediate_size",
+        "dropout",
+        "grad_accumulation",
+        "eval_grad_mode",
+    )
+
+    def check_variant(self, variant: Variant) -> None:
+        super().check_variant(variant)
+        if variant.hidden_size % variant.num_heads:
+            raise InvalidVariant(f"hidden_size {variant.hidden_size} is not a multiple of num_heads")
 
     def create(self) -> nn.Module:
-        return EncoderClassifier()
+        return EncoderClassifier(self.variant)
 
     def batch(self, device):
-        ids, mask = base.seeded_tokens(base.SEQUENCE_LENGTHS, pad_left=False)
-        labels = torch.arange(len(base.SEQUENCE_LENGTHS)) % NUM_CLASSES
-        return {
-            "input_ids": ids.to(device),
-            "padding_mask": (mask == 0).to(device),  # True marks padding, as torch expects
-            "labels": labels.to(device),
-        }
+        ids, mask = base.variant_tokens(self.variant)
+        batch = {"input_ids": ids.to(device)}
+        if self.variant.padding != "none":
+            batch["padding_mask"] = (mask == 0).to(device)  # True marks padding, as torch expects
+        batch["labels"] = (torch.arange(self.variant.batch_size) % NUM_CLASSES).to(device)
+        return batch
 
     def _logits(self, model, batch):
-        return model(batch["input_ids"], batch["padding_mask"])
+        return model(batch["input_ids"], batch.get("padding_mask"))
 
     def loss(self, model, batch):
         return F.cross_entropy(self._logits(model, batch).float(), batch["labels"])

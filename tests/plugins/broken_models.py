@@ -16,6 +16,7 @@ from torch import nn
 
 from matrix.models import base, register
 from matrix.models.tiny_transformer import NUM_CLASSES, TinyTransformer
+from matrix.variants import Variant
 
 
 class NotAutocastAwareLinear(torch.autograd.Function):
@@ -33,8 +34,9 @@ class NotAutocastAwareLinear(torch.autograd.Function):
 class BrokenClassifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(base.VOCAB_SIZE, base.HIDDEN_SIZE)
-        self.weight = nn.Parameter(torch.randn(NUM_CLASSES, base.HIDDEN_SIZE) * 0.02)
+        hidden = Variant().hidden_size
+        self.embed = nn.Embedding(base.VOCAB_SIZE, hidden)
+        self.weight = nn.Parameter(torch.randn(NUM_CLASSES, hidden) * 0.02)
 
     def forward(self, input_ids, padding_mask):
         keep = (~padding_mask).unsqueeze(-1).to(self.weight.dtype)
