@@ -44,6 +44,7 @@ AXES = ("model", "precision", "mode", "device", "engine")
 AXES_PROPERTY = "matrix_cell"
 RESULT_PROPERTY = "matrix_result"
 EXPLORATION_PROPERTY = "matrix_exploration"
+EXPLORE_TIMEOUT_MARGIN_S = 600
 EXPLORE_FILE = Path(__file__).resolve().parent / "cases" / "test_explore.py"
 selection_key = pytest.StashKey[dict]()
 catalogue_key = pytest.StashKey[known_failures.Catalogue]()
@@ -205,6 +206,9 @@ def pytest_collection_modifyitems(config, items):
             item.user_properties.append((AXES_PROPERTY, params["cell"].axes()))
         if isinstance(params.get("explore_target"), Cell):
             explorations += not any(m.name == "skip" for m in item.iter_markers())
+            # pytest-timeout's per-test limit (pyproject.toml) fits a cell, not a search that
+            # may get the whole budget; shrinking and explaining a finding run past it a little
+            item.add_marker(pytest.mark.timeout(config.getoption("matrix_explore_seconds") + EXPLORE_TIMEOUT_MARGIN_S))
     config.stash[explore_clock_key] = ExploreClock(config.getoption("matrix_explore_seconds"), explorations)
 
 
@@ -334,10 +338,11 @@ class Recorder:
         if self.written:
             counts = matrix_report.outcome_counts(self.records.values())
             terminalreporter.write_sep("=", "precision matrix")
-            terminalreporter.write_line(
-                f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
-                f"{counts['passed']} passed, {counts['skipped']} skipped cells; report: {self.written / 'summary.md'}"
-            )
+            if self.records:
+                terminalreporter.write_line(
+                    f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
+                    f"{counts['passed']} passed, {counts['skipped']} skipped cells"
+                )
             ran = [e for e in self.explorations if e["skip_reason"] is None]
             if ran:
                 findings = [f for e in ran for f in e["findings"]]
@@ -346,3 +351,4 @@ class Recorder:
                     f"{sum(f['status'] == 'new' for f in findings)} new findings, "
                     f"{sum(f['status'] == 'known' for f in findings)} known"
                 )
+            terminalreporter.write_line(f"report: {self.written / 'summary.md'}")
