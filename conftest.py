@@ -262,6 +262,11 @@ def invocation() -> str:
     return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 
+def skip_reason_of(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
 class Recorder:
     """Collects one record per cell from the reports pytest delivers, then writes the run."""
 
@@ -282,13 +287,9 @@ class Recorder:
             return
         target_id = report.nodeid.split("::test_explore[", 1)[1][:-1] if "::test_explore[" in report.nodeid else None
         if target_id is not None:
-            if report.skipped:
-                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-                cell = cell_from_id(target_id)
-                if cell is not None:
-                    self.explorations.append(
-                        matrix_report.skipped_exploration_record(cell, reason.removeprefix("Skipped: "))
-                    )
+            cell = cell_from_id(target_id)
+            if report.skipped and cell is not None:
+                self.explorations.append(matrix_report.skipped_exploration_record(cell, skip_reason_of(report)))
             return
         axes = properties.get(AXES_PROPERTY)
         if axes is not None:
@@ -301,8 +302,7 @@ class Recorder:
         if RESULT_PROPERTY in properties and report.when == "call":
             self.records[cell.id] = properties[RESULT_PROPERTY]
         elif report.skipped and cell.id not in self.records:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            self.records[cell.id] = matrix_report.skipped_record(cell, reason.removeprefix("Skipped: "))
+            self.records[cell.id] = matrix_report.skipped_record(cell, skip_reason_of(report))
         elif report.failed and (cell.id not in self.records or self.records[cell.id]["outcome"] == "passed"):
             # Failed outside run_cell: a fixture error, a teardown check, or a crashed worker.
             phase = report.when if report.when in ("setup", "call", "teardown") else "crash"

@@ -112,6 +112,11 @@ class Search:
                 shutil.rmtree(directory, ignore_errors=True)
         return self.results[key]
 
+    @property
+    def examples_run(self) -> int:
+        """Distinct variants run in the target precision."""
+        return sum(precision == self.target.precision for precision, _ in self.results)
+
     def ran(self, cell: Cell, variant: Variant) -> bool:
         return (cell.precision, variant) in self.results
 
@@ -148,7 +153,7 @@ def explore(
 
     round_number = 0
     while len(exploration.findings) < budget.findings:
-        remaining = budget.examples - len({v for (p, v) in search.results if p == target.precision})
+        remaining = budget.examples - search.examples_run
         if remaining <= 0 or search.out_of_time:
             break
         quiet = settings(
@@ -184,7 +189,7 @@ def explore(
         finding.needed = why_needed(search, kind, minimal, exploration.base, fields, result)
         exploration.findings.append(finding)
 
-    exploration.examples_run = len({v for (p, v) in search.results if p == target.precision})
+    exploration.examples_run = search.examples_run
     fp32 = [r for (p, _), r in search.results.items() if p == REFERENCE_PRECISION]
     exploration.fp32_runs, exploration.fp32_failures = len(fp32), sum(r.outcome != "passed" for r in fp32)
     for (precision, variant), run in search.results.items():

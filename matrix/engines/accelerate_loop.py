@@ -126,7 +126,6 @@ class AccelerateEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
-    fixed_variant_fields = ("grad_accumulation",)  # micro-batch accumulation is not wired here
 
     def cleanup(self, state: CellState) -> None:
         reset_accelerate(state)

@@ -31,8 +31,9 @@ class Engine(abc.ABC):
     train_phases: tuple[Phase, ...]
     eval_phases: tuple[Phase, ...]
     # Variant fields (matrix/variants.py) the engine does not implement: exploration keeps
-    # them at the grid's value for this engine
-    fixed_variant_fields: tuple[str, ...] = ()
+    # them at the grid's value for this engine. Micro-batch accumulation is wired only where
+    # an engine says so.
+    fixed_variant_fields: tuple[str, ...] = ("grad_accumulation",)
 
     def phases(self, mode: str) -> dict[str, Phase]:
         """Phase name -> function, for every phase of the mode."""

@@ -219,7 +219,6 @@ class HFTrainerEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
-    fixed_variant_fields = ("grad_accumulation",)  # micro-batch accumulation is not wired here
 
     def cleanup(self, state: CellState) -> None:
         reset_accelerate(state)  # the Trainer runs on accelerate's process-wide state

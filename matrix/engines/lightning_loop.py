@@ -196,7 +196,6 @@ class LightningEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
-    fixed_variant_fields = ("grad_accumulation",)  # micro-batch accumulation is not wired here
 
     def cleanup(self, state: CellState) -> None:
         state.engine_state.clear()

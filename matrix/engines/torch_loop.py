@@ -120,3 +120,4 @@ class TorchEngine(Engine):
 
     train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
     eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    fixed_variant_fields = ()  # _train_step accumulates the precision's (or variant's) micro-batches
