@@ -27,14 +27,15 @@ from matrix import environment
 from matrix import report as matrix_report
 from matrix.cells import (
     Cell,
-    SelectionError,
     axis_values,
     cell_from_id,
     cell_id_from_nodeid,
     enumerate_cells,
     parse_selection,
+    parse_shard,
+    shard_cells,
 )
-from matrix.devices import skip_reason
+from matrix.devices import resolve_cuda_index, skip_reason
 from matrix.engines import ENGINES
 from matrix.precisions import PRECISIONS
 
@@ -51,6 +52,8 @@ catalogue_key = pytest.StashKey[known_failures.Catalogue]()
 installed_key = pytest.StashKey[dict]()
 recorder_key = pytest.StashKey["Recorder"]()
 explore_clock_key = pytest.StashKey["ExploreClock"]()
+cuda_index_key = pytest.StashKey[int]()
+shard_key = pytest.StashKey["tuple[int, int] | None"]()
 
 
 def pytest_addoption(parser):
@@ -66,10 +69,25 @@ def pytest_addoption(parser):
     group.addoption(
         "--cuda-device",
         dest="matrix_cuda_device",
-        type=int,
-        default=0,
-        metavar="N",
-        help="index of the GPU the cuda cells run on (default 0); recorded in the report",
+        default="0",
+        metavar="N|per-worker",
+        help="index of the GPU the cuda cells run on (default 0), or per-worker: pytest-xdist worker gwK "
+        "uses GPU K mod the number visible (one worker per GPU with -n <GPUs>); recorded per cell",
+    )
+    group.addoption(
+        "--shard",
+        dest="matrix_shard",
+        default=None,
+        metavar="K/N",
+        help="run shard K of N of the selected cells (dealt round-robin); merge the shards' reports with "
+        "python -m matrix merge",
+    )
+    group.addoption(
+        "--run-id",
+        dest="matrix_run_id",
+        default=None,
+        metavar="ID",
+        help="name of this run's report directory (default: UTC time + random suffix); it must not exist",
     )
     group.addoption(
         "--report-dir",
@@ -137,6 +155,10 @@ def is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def cuda_index(config) -> int:
+    return config.stash[cuda_index_key]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cell: a matrix cell (model x precision x mode x device)")
     if is_worker(config):
@@ -146,7 +168,11 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
         config.stash[selection_key] = {axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES}
-    except SelectionError as error:
+        config.stash[shard_key] = parse_shard(config.getoption("matrix_shard"))
+        worker_id = config.workerinput["workerid"] if is_worker(config) else None
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        config.stash[cuda_index_key] = resolve_cuda_index(config.getoption("matrix_cuda_device"), worker_id, visible)
+    except ValueError as error:  # SelectionError, or a bad --cuda-device
         raise pytest.UsageError(str(error)) from None
     catalogue_path = Path(config.getoption("matrix_catalogue") or known_failures.CATALOGUE_FILE)
     try:
@@ -156,7 +182,7 @@ def pytest_configure(config):
     config.stash[installed_key] = environment.package_versions()
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = config.getoption("matrix_report_dir") or Path(__file__).parent / "reports"
-        config.stash[recorder_key] = Recorder(config, Path(root))
+        config.stash[recorder_key] = Recorder(config, Path(root), config.getoption("matrix_run_id"))
         config.pluginmanager.register(config.stash[recorder_key], "matrix-recorder")
 
 
@@ -178,23 +204,23 @@ def cell_marks(cell: Cell, cuda_index: int) -> list:
     return [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
 
 
+def selected_cells(config) -> list[Cell]:
+    """The cells of the axis selection, then of this --shard."""
+    return shard_cells(enumerate_cells(config.stash[selection_key]), config.stash[shard_key])
+
+
 def pytest_generate_tests(metafunc):
     if "explore_target" in metafunc.fixturenames:
-        cuda_index = metafunc.config.getoption("matrix_cuda_device")
-        targets = [c for c in enumerate_cells(metafunc.config.stash[selection_key]) if explorable(c)]
-        metafunc.parametrize(
-            "explore_target", [pytest.param(c, id=c.id, marks=cell_marks(c, cuda_index)) for c in targets]
-        )
+        cuda = cuda_index(metafunc.config)
+        targets = [c for c in selected_cells(metafunc.config) if explorable(c)]
+        metafunc.parametrize("explore_target", [pytest.param(c, id=c.id, marks=cell_marks(c, cuda)) for c in targets])
     if "cell" not in metafunc.fixturenames:
         return
     own = [m for m in metafunc.definition.iter_markers("parametrize") if "cell" in str(m.args[0])]
     if own:  # a test that parametrizes `cell` itself chooses its own cells
         return
-    cuda_index = metafunc.config.getoption("matrix_cuda_device")
-    params = [
-        pytest.param(c, id=c.id, marks=cell_marks(c, cuda_index))
-        for c in enumerate_cells(metafunc.config.stash[selection_key])
-    ]
+    cuda = cuda_index(metafunc.config)
+    params = [pytest.param(c, id=c.id, marks=cell_marks(c, cuda)) for c in selected_cells(metafunc.config)]
     metafunc.parametrize("cell", params)
 
 
@@ -251,8 +277,8 @@ def isolated_torch_state():
 
 def rerun_command(config, cell: Cell) -> str:
     command = ["pytest", f"cases/test_cells.py::test_cell[{cell.id}]"]
-    if config.getoption("matrix_cuda_device"):
-        command.append(f"--cuda-device={config.getoption('matrix_cuda_device')}")
+    if cell.device == "cuda" and cuda_index(config):
+        command.append(f"--cuda-device={cuda_index(config)}")
     return shlex.join(command)
 
 
@@ -270,10 +296,17 @@ def skip_reason_of(report) -> str:
 class Recorder:
     """Collects one record per cell from the reports pytest delivers, then writes the run."""
 
-    def __init__(self, config, reports_root: Path) -> None:
+    def __init__(self, config, reports_root: Path, run_id: str | None = None) -> None:
         self.config = config
         self.reports_root = reports_root
-        self.run_id = matrix_report.new_run_id()
+        try:
+            self.run_id = matrix_report.check_run_id(run_id) if run_id else matrix_report.new_run_id()
+        except ValueError as error:
+            raise pytest.UsageError(f"--run-id: {error}") from None
+        if (reports_root / self.run_id).exists():
+            raise pytest.UsageError(
+                f"--run-id: {reports_root / self.run_id} exists; a run never writes into another run's directory"
+            )
         self.started = time.time()
         self.records: dict[str, dict] = {}
         self.explorations: list[dict] = []
@@ -315,6 +348,9 @@ class Recorder:
         if not self.records and not self.explorations:
             return
         finished = time.time()
+        for record in self.records.values():  # skipped and harness-failed cells: the controller's command
+            if record.get("rerun") is None:
+                record["rerun"] = rerun_command(self.config, Cell(**{axis: record[axis] for axis in AXES}))
         run = {
             "id": self.run_id,
             "command": invocation(),
@@ -325,11 +361,13 @@ class Recorder:
             "selection": {axis: list(values) for axis, values in self.config.stash[selection_key].items()},
             "axes": {axis: list(values) for axis, values in axis_values().items()},
             "workers": getattr(self.config.option, "numprocesses", None),
+            "shard": "{}/{}".format(*self.config.stash[shard_key]) if self.config.stash[shard_key] else None,
+            "cuda_device": self.config.getoption("matrix_cuda_device"),
             # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
             "stack": os.environ.get("MATRIX_STACK"),
             **{f"git_{k}": v for k, v in environment.git_state(Path(__file__).parent).items()},
         }
-        env = environment.capture(self.config.getoption("matrix_cuda_device"))
+        env = environment.capture(cuda_index(self.config))
         self.written = matrix_report.write_report(
             self.reports_root, run, env, list(self.records.values()), self.explorations
         )

@@ -107,6 +107,20 @@ def bisect(session: nox.Session) -> None:
     session.run("python", "-m", "matrix", "bisect", *session.posargs)
 
 
+@nox.session(venv_backend="none")
+def compare(session: nox.Session) -> None:
+    """What changed between two runs: nox -s compare -- OLD NEW [--fail-on new,drift] [--md-out F].
+
+    OLD and NEW are report directories (reports/<run-id>, or reports/ for its latest run) or
+    results.json files. Exit status 1 when a gating category is not empty (default: new
+    failures), 2 on a file that is not a results.json. Needs only Python: nothing is installed.
+    """
+    if not session.posargs:
+        session.error("give two runs: nox -s compare -- OLD NEW (report directories or results.json files)")
+    # the diff reads JSON with the standard library only: nox's own Python runs it, no venv
+    session.run(sys.executable, "-m", "matrix", "diff", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells)."""

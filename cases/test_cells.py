@@ -8,10 +8,10 @@ catalogue says fails but that passes is an XPASS ("fixed"); any other failure fa
 
 import pytest
 
-from conftest import RESULT_PROPERTY, catalogue_key, installed_key, rerun_command
+from conftest import RESULT_PROPERTY, catalogue_key, cuda_index, installed_key, rerun_command
 from matrix.catalogue import classify
 from matrix.phases import run_cell
-from matrix.report import known_failure_record, result_record
+from matrix.report import device_placement, known_failure_record, result_record
 
 
 class KnownFailure(Exception):
@@ -32,7 +32,7 @@ def test_cell(cell, tmp_path, request):
     result = run_cell(
         cell,
         tmp_path,
-        cuda_index=config.getoption("matrix_cuda_device"),
+        cuda_index=cuda_index(config),
         run_contradictory=config.getoption("matrix_run_contradictory"),
     )
     signature = result.signature
@@ -40,6 +40,7 @@ def test_cell(cell, tmp_path, request):
     record = result_record(result)
     record["outcome"] = outcome
     record["known_failure"] = known_failure_record(entry) if entry else None
+    record.update(device_placement(cell, cuda_index(config)), rerun=rerun_command(config, cell))
     request.node.user_properties.append((RESULT_PROPERTY, record))
     if outcome == "known":
         raise KnownFailure(f"{entry.id} ({entry.link}): {signature.id} {signature.text}")

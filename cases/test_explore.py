@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import EXPLORATION_PROPERTY, catalogue_key, explore_clock_key, installed_key
+from conftest import EXPLORATION_PROPERTY, catalogue_key, cuda_index, explore_clock_key, installed_key
 from matrix.explore import Budget, explore
 from matrix.report import exploration_record
 
@@ -32,7 +32,7 @@ def test_explore(explore_target, tmp_path, request):
         tmp_path,
         catalogue,
         config.stash[installed_key],
-        cuda_index=config.getoption("matrix_cuda_device"),
+        cuda_index=cuda_index(config),
     )
     request.node.user_properties.append((EXPLORATION_PROPERTY, exploration_record(exploration, catalogue)))
     new = [f for f in exploration.findings if f.status == "new"]

@@ -19,4 +19,6 @@ Where things live:
   explore.py     - property-based exploration: shrink a failing variant, say what it needs
 """
 
-SCHEMA_VERSION = 3  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations
+SCHEMA_VERSION = 4  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;
+# 4: per-cell cuda_index, device_name and rerun; run.shard, run.cuda_device, run.merged_from;
+# environment.driver_version and driver_cuda_version

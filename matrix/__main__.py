@@ -1,5 +1,7 @@
-"""python -m matrix bisect ... (matrix/bisect.py), python -m matrix repro ... (matrix/repro.py) and
-python -m matrix replay ... (one cell, optionally with an exploration's variant)."""
+"""python -m matrix bisect ... (matrix/bisect.py), python -m matrix repro ... (matrix/repro.py),
+python -m matrix replay ... (one cell, optionally with an exploration's variant),
+python -m matrix diff OLD NEW (matrix/compare.py) and python -m matrix merge A B -o DIR
+(matrix/merge.py). Exit status 2 means bad input, with one line saying which file and field."""
 
 from __future__ import annotations
 
@@ -29,8 +31,41 @@ def main(argv: list[str] | None = None) -> int:
     replay.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
     replay.add_argument("--variant", help="settings as JSON (default: the grid's)")
     replay.add_argument("--cuda-device", type=int, default=0)
+    compare = commands.add_parser(
+        "diff", help="what changed between two runs; exit 1 on new failures (the nightly gate)"
+    )
+    compare.add_argument("old", type=Path, help="the earlier run: a report directory or its results.json")
+    compare.add_argument("new", type=Path, help="the later run: a report directory or its results.json")
+    compare.add_argument("--format", choices=("markdown", "json"), default="markdown", help="what goes to stdout")
+    compare.add_argument("--md-out", type=Path, help="also write the Markdown here (a CI job summary)")
+    compare.add_argument("--json-out", type=Path, help="also write the JSON here")
+    compare.add_argument(
+        "--fail-on",
+        default="new",
+        help="comma-separated categories that make the exit status 1 (default: new; 'none' never gates): "
+        "new, fixed, signature-changed, added, removed, known-started, known-stopped, skipped, drift",
+    )
+    compare.add_argument(
+        "--drift-threshold",
+        type=float,
+        default=None,
+        metavar="F",
+        help="drift: fp32 deviation grown by more than F times what the tolerance allows (default 0.25)",
+    )
+    merge = commands.add_parser("merge", help="combine shard reports (--shard K/N) into one run")
+    merge.add_argument("inputs", nargs="+", type=Path, help="report directories or results.json files")
+    merge.add_argument("-o", "--output", type=Path, required=True, help="the merged run's directory (must not exist)")
+    merge.add_argument(
+        "--allow-mixed-stacks", action="store_true", help="merge runs of different package versions or commits"
+    )
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("diff", "merge") and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
+    if args.command == "diff":
+        return diff_runs(args)
+    if args.command == "merge":
+        return merge_runs(args)
     if args.command == "replay":
         return replay_cell(args.cell, args.variant, args.cuda_device)
 
@@ -56,6 +91,54 @@ def main(argv: list[str] | None = None) -> int:
     except BisectError as error:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def diff_runs(args) -> int:
+    from matrix import compare
+    from matrix.results_file import ResultsError, load
+
+    try:
+        fail_on = compare.parse_fail_on(args.fail_on)
+        if args.drift_threshold is not None and not args.drift_threshold > 0:
+            raise ValueError(f"--drift-threshold: {args.drift_threshold} is not a positive fraction")
+        (old, old_file), (new, new_file) = load(args.old), load(args.new)
+    except (ResultsError, ValueError) as error:
+        print(f"python -m matrix diff: {error}", file=sys.stderr)
+        return 2
+    fraction = compare.DRIFT_FRACTION if args.drift_threshold is None else args.drift_threshold
+    result = compare.diff(old, new, old_source=str(old_file), new_source=str(new_file), drift_fraction=fraction)
+    markdown, as_json = compare.diff_markdown(result, fail_on), compare.diff_json(result, fail_on)
+    for path, text in ((args.md_out, markdown), (args.json_out, as_json)):
+        if path:
+            path.write_text(text, encoding="utf-8")
+    sys.stdout.write(as_json if args.format == "json" else markdown)
+    return 1 if result.gating(fail_on) else 0
+
+
+def merge_runs(args) -> int:
+    from matrix.merge import MergeError, merge, write_merged
+    from matrix.results_file import ResultsError
+
+    if args.output.exists():
+        print(
+            f"python -m matrix merge: {args.output}: exists; merge never writes into an existing directory",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        document = merge(args.inputs, allow_mixed_stacks=args.allow_mixed_stacks, run_id=args.output.name)
+        write_merged(document, args.output)
+    except (ResultsError, MergeError) as error:
+        print(f"python -m matrix merge: {error}", file=sys.stderr)
+        return 2
+    counts = document["counts"]
+    print(
+        f"{args.output}: {len(document['cells'])} cells from {len(args.inputs)} runs: {counts['failed']} new failures, "
+        f"{counts['fixed']} fixed, {counts['known']} known, {counts['passed']} passed, {counts['skipped']} skipped"
+    )
+    for warning in document["environment"]["warnings"]:
+        print(f"warning: {warning}")
     return 0
 
 

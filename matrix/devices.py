@@ -19,6 +19,21 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda")
 NATIVE_BF16_MIN_CAPABILITY = (8, 0)
 
 
+PER_WORKER = "per-worker"
+
+
+def resolve_cuda_index(option: str, worker_id: str | None, visible: int) -> int:
+    """--cuda-device N -> N; per-worker -> xdist worker gwK's GPU, K mod the GPUs visible,
+    so `-n <number of GPUs>` puts one worker on each GPU."""
+    if option == PER_WORKER:
+        if worker_id is None or not worker_id.startswith("gw") or not worker_id[2:].isdigit():
+            return 0  # not under xdist (or its controller): the first GPU
+        return int(worker_id[2:]) % max(1, visible)
+    if not option.isdigit():
+        raise ValueError(f"--cuda-device: {option!r} is not a GPU index (0, 1, ...) or {PER_WORKER!r}")
+    return int(option)
+
+
 def torch_device(device: str, cuda_index: int = 0) -> torch.device:
     return torch.device(f"cuda:{cuda_index}") if device == "cuda" else torch.device("cpu")
 
@@ -39,9 +54,19 @@ def cuda_devices() -> tuple[dict, ...]:
                 "compute_capability": f"{props.major}.{props.minor}",
                 "total_memory_gib": round(props.total_memory / 2**30, 1),
                 "native_bf16": capability >= NATIVE_BF16_MIN_CAPABILITY,
+                # the same GPU nvidia-smi shows: its bus id does not depend on CUDA_DEVICE_ORDER
+                "pci_bus_id": _pci_bus_id(props),
+                "uuid": str(props.uuid) if getattr(props, "uuid", None) is not None else None,
+                "multiprocessors": props.multi_processor_count,
             }
         )
     return tuple(found)
+
+
+def _pci_bus_id(props) -> str | None:
+    if all(hasattr(props, name) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    return None
 
 
 @functools.cache

@@ -53,18 +53,40 @@ def git_state(root: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
-def gpu_warnings(gpus: tuple[dict, ...]) -> list[str]:
+def gpu_warnings(gpus: tuple[dict, ...], selected: int | None) -> list[str]:
+    """Seed 000's trap: with different GPUs visible, CUDA's default order (fastest first) is
+    not nvidia-smi's (PCI bus), so "GPU 1" may not be the one the user meant."""
     names = {gpu["name"] for gpu in gpus}
     if len(names) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        chosen = ""
+        if selected is not None and selected < len(gpus):
+            gpu = gpus[selected]
+            chosen = f"; the cells ran on cuda:{selected} = {gpu['name']} (PCI {gpu.get('pci_bus_id') or 'unknown'})"
         return [
             f"several different GPUs are visible ({', '.join(sorted(names))}) and CUDA_DEVICE_ORDER is not "
-            "PCI_BUS_ID: cuda:N may not be the GPU nvidia-smi calls N; choose one with --cuda-device"
+            f"PCI_BUS_ID: cuda:N may not be the GPU nvidia-smi calls N{chosen}; set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+            "or choose with --cuda-device"
         ]
     return []
 
 
+def nvidia_driver() -> dict:
+    """The driver's version and the newest CUDA it supports, from nvidia-smi (torch reports
+    only the CUDA it was built with). Empty where there is no nvidia-smi."""
+    try:
+        done = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for key, label in (("driver_version", "Driver Version:"), ("driver_cuda_version", "CUDA Version:")):
+        if label in done.stdout:
+            found[key] = done.stdout.split(label, 1)[1].split()[0]
+    return found
+
+
 def capture(cuda_index: int) -> dict:
     gpus = devices.cuda_devices()
+    driver = nvidia_driver() if gpus else {}
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -73,11 +95,13 @@ def capture(cuda_index: int) -> dict:
         "torch_num_threads": torch.get_num_threads(),
         "torch_cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "driver_version": driver.get("driver_version"),
+        "driver_cuda_version": driver.get("driver_cuda_version"),
         "packages": package_versions(),
         "cuda_devices": list(gpus),
         "selected_cuda_device": cuda_index if gpus else None,
         "env": {name: os.environ.get(name) for name in CUDA_ENV_VARS},
-        "warnings": gpu_warnings(gpus),
+        "warnings": gpu_warnings(gpus, cuda_index if gpus else None),
     }
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
 from xml.etree import ElementTree
 
-from matrix import SCHEMA_VERSION
+from matrix import SCHEMA_VERSION, devices
 from matrix.cells import Cell
+from matrix.environment import cpu_name
+from matrix.html_report import html_report
 from matrix.phases import CellResult
 from matrix.precisions import PRECISIONS
 from matrix.signatures import signature_of_crash
@@ -39,7 +42,19 @@ def _base_record(cell: Cell, outcome: str) -> dict:
         "known_failure": None,
         "duration_s": 0.0,
         "metrics": {},
+        "cuda_index": None,
+        "device_name": None,
+        "rerun": None,
     }
+
+
+def device_placement(cell: Cell, cuda_index: int) -> dict:
+    """Which device a cell ran on: the GPU index and name (cuda), or the CPU's name."""
+    if cell.device == "cuda":
+        gpus = devices.cuda_devices()
+        name = gpus[cuda_index]["name"] if cuda_index < len(gpus) else None
+        return {"cuda_index": cuda_index, "device_name": name}
+    return {"cuda_index": None, "device_name": cpu_name()}
 
 
 def result_record(result: CellResult) -> dict:
@@ -130,6 +145,16 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
+RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names a directory: letters, digits, '.', '_', '-' only, not 'latest'."""
+    if not run_id or not set(run_id) <= RUN_ID_CHARACTERS or run_id.startswith(".") or run_id == "latest":
+        raise ValueError(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-'; not 'latest')")
+    return run_id
+
+
 # ------------------------------------------------------------------ results.json
 
 
@@ -157,13 +182,18 @@ def known_failure_index(records: list[dict]) -> dict[str, dict]:
     return index
 
 
-def results_document(run: dict, environment: dict, records: list[dict], explorations: list[dict] = ()) -> dict:
+def results_document(
+    run: dict, environment: dict, records: list[dict], explorations: list[dict] = (), precisions: dict | None = None
+) -> dict:
+    """The whole run; `precisions` is the table the cells ran with (default: this version's)."""
     records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))
+    if precisions is None:
+        precisions = {name: {**p.settings(), "summary": p.summary} for name, p in PRECISIONS.items()}
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,
         "environment": environment,
-        "precisions": {name: {**p.settings(), "summary": p.summary} for name, p in PRECISIONS.items()},
+        "precisions": precisions,
         "counts": {outcome: sum(r["outcome"] == outcome for r in records) for outcome in OUTCOMES},
         "cells": records,
         "signatures": signature_index(records),
@@ -425,16 +455,36 @@ def json_safe(value):
     return value
 
 
+def write_documents(directory: Path, document: dict) -> None:
+    """results.json, summary.md, junit.xml and index.html of one run, into `directory`."""
+    (directory / "results.json").write_text(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
+    (directory / "summary.md").write_text(summary_markdown(document))
+    (directory / "junit.xml").write_bytes(junit_xml(document))
+    (directory / "index.html").write_text(html_report(json_safe(document)), encoding="utf-8")
+
+
 def write_report(
     reports_root: Path, run: dict, environment: dict, records: list[dict], explorations: list[dict] = ()
 ) -> Path:
     directory = create_run_directory(reports_root, run["id"])
-    document = results_document(run, environment, records, explorations)
-    (directory / "results.json").write_text(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
-    (directory / "summary.md").write_text(summary_markdown(document))
-    (directory / "junit.xml").write_bytes(junit_xml(document))
+    write_documents(directory, results_document(run, environment, records, explorations))
     point_latest(reports_root, directory)
     return directory
+
+
+def write_new_directory(target: Path, document: dict) -> None:
+    """All of a run's files appear at `target` at once, or none do (built beside it, renamed)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.parent / f".{target.name}.partial-{secrets.token_hex(4)}"
+    scratch.mkdir()
+    try:
+        write_documents(scratch, document)
+        if target.exists():  # appeared meanwhile: rename would replace an empty directory
+            raise FileExistsError(f"{target} exists")
+        scratch.rename(target)
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch)
 
 
 def outcome_counts(records: list[dict]) -> Counter:

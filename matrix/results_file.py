@@ -1,0 +1,96 @@
+"""Reading a run back: a report directory or its results.json, checked before it is trusted.
+
+diff and merge read files that come from other machines, other nights and other versions of
+this project. What they rely on is checked here, and a file that is not a results.json of a
+version we read fails with one line naming the file and the field, never a traceback.
+Standard library only: comparing two runs must not need the stack that produced them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from matrix import SCHEMA_VERSION
+
+READABLE_SCHEMA_VERSIONS = (3, SCHEMA_VERSION)  # 4 added per-cell placement and rerun, shards
+OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
+CELL_FIELDS = ("id", "model", "precision", "mode", "device", "engine", "outcome", "signature", "metrics")
+
+
+class ResultsError(ValueError):
+    """A path that is not a readable results.json; str() names the file and the field."""
+
+
+def results_path(path: Path) -> Path:
+    """A report directory -> its results.json; a reports root -> its latest run's."""
+    path = Path(path)
+    if path.is_dir():
+        for candidate in (path / "results.json", path / "latest" / "results.json"):
+            if candidate.is_file():
+                return candidate
+        pointer = path / "LATEST"
+        if pointer.is_file():
+            return path / pointer.read_text().strip() / "results.json"
+        raise ResultsError(f"{path}: no results.json in this directory (nor a latest run under it)")
+    return path
+
+
+def load(path: Path) -> tuple[dict, Path]:
+    """The checked document and the file it came from."""
+    file = results_path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ResultsError(f"{file}: no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ResultsError(f"{file}: cannot read it ({error})") from None
+    try:
+        document = json.loads(text)
+    except ValueError as error:
+        raise ResultsError(f"{file}: not JSON ({error})") from None
+    check(document, file)
+    return document, file
+
+
+def check(document, file: Path) -> None:
+    def fail(field: str, problem: str) -> None:
+        raise ResultsError(f"{file}: {field}: {problem}")
+
+    if not isinstance(document, dict) or "schema_version" not in document:
+        fail("schema_version", "missing: not a precision-matrix results.json")
+    if document["schema_version"] not in READABLE_SCHEMA_VERSIONS:
+        fail(
+            "schema_version",
+            f"{document['schema_version']!r} is not one this version reads "
+            f"({', '.join(map(str, READABLE_SCHEMA_VERSIONS))})",
+        )
+    for field, kind in (("run", dict), ("environment", dict), ("cells", list)):
+        if not isinstance(document.get(field), kind):
+            fail(field, f"missing or not a{'n object' if kind is dict else ' list'}")
+    if not isinstance(document["run"].get("id"), str):
+        fail("run.id", "missing or not a string")
+    seen = set()
+    for n, cell in enumerate(document["cells"]):
+        where = f"cells[{n}]"
+        if not isinstance(cell, dict):
+            fail(where, "not an object")
+        for field in CELL_FIELDS:
+            if field not in cell:
+                fail(f"{where}.{field}", "missing")
+        if not isinstance(cell["id"], str):
+            fail(f"{where}.id", "not a string")
+        if cell["id"] in seen:
+            fail(f"{where}.id", f"{cell['id']!r} appears twice")
+        seen.add(cell["id"])
+        if cell["outcome"] not in OUTCOMES:
+            fail(f"{where}.outcome", f"{cell['outcome']!r} is not one of {', '.join(OUTCOMES)}")
+        signature = cell["signature"]
+        if cell["outcome"] in ("failed", "known") and not (
+            isinstance(signature, dict) and isinstance(signature.get("id"), str)
+        ):
+            fail(f"{where}.signature", f"a {cell['outcome']} cell needs a signature with an id")
+        if cell["outcome"] in ("known", "fixed") and not isinstance(cell.get("known_failure"), dict):
+            fail(f"{where}.known_failure", f"a {cell['outcome']} cell needs its catalogue entry")
+        if not isinstance(cell["metrics"], dict):
+            fail(f"{where}.metrics", "not an object")
