@@ -7,9 +7,14 @@ cell (see explorable()), sharing the --explore-seconds budget."""
 
 from __future__ import annotations
 
+import argparse
+import calendar
+import faulthandler
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +28,7 @@ import torch
 import transformers
 
 from matrix import catalogue as known_failures
-from matrix import environment
+from matrix import environment, journal
 from matrix import report as matrix_report
 from matrix.cells import (
     Cell,
@@ -38,6 +43,7 @@ from matrix.cells import (
 from matrix.devices import resolve_cuda_index, skip_reason
 from matrix.engines import ENGINES
 from matrix.precisions import PRECISIONS
+from matrix.runner import CELL_TIMEOUT_S
 
 transformers.utils.logging.disable_progress_bar()
 
@@ -46,6 +52,7 @@ AXES_PROPERTY = "matrix_cell"
 RESULT_PROPERTY = "matrix_result"
 EXPLORATION_PROPERTY = "matrix_exploration"
 EXPLORE_TIMEOUT_MARGIN_S = 600
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 EXPLORE_FILE = Path(__file__).resolve().parent / "cases" / "test_explore.py"
 selection_key = pytest.StashKey[dict]()
 catalogue_key = pytest.StashKey[known_failures.Catalogue]()
@@ -54,6 +61,7 @@ recorder_key = pytest.StashKey["Recorder"]()
 explore_clock_key = pytest.StashKey["ExploreClock"]()
 cuda_index_key = pytest.StashKey[int]()
 shard_key = pytest.StashKey["tuple[int, int] | None"]()
+restart_key = pytest.StashKey[str]()  # why this process must stop and the run resume in a new one
 
 
 def pytest_addoption(parser):
@@ -89,6 +97,16 @@ def pytest_addoption(parser):
         metavar="ID",
         help="name of this run's report directory (default: UTC time + random suffix); it must not exist",
     )
+    group.addoption(
+        "--cell-timeout",
+        dest="matrix_cell_timeout",
+        type=float,
+        default=CELL_TIMEOUT_S,
+        metavar="S",
+        help=f"a cell running longer fails with a timeout signature (default {CELL_TIMEOUT_S:g}; "
+        "python -m matrix run also kills a process stuck past it)",
+    )
+    group.addoption("--matrix-resume", dest="matrix_resume", action="store_true", help=argparse.SUPPRESS)
     group.addoption(
         "--report-dir",
         dest="matrix_report_dir",
@@ -224,12 +242,48 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("cell", params)
 
 
+def is_cell_item(item) -> bool:
+    return getattr(item, "originalname", None) == "test_cell" and isinstance(
+        getattr(getattr(item, "callspec", None), "params", {}).get("cell"), Cell
+    )
+
+
+def matrix_item_id(item) -> str | None:
+    """The cell a matrix item runs (cases/: test_cell, test_explore); None for other tests."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if is_cell_item(item):
+        return params["cell"].id
+    target = params.get("explore_target")
+    return target.id if getattr(item, "originalname", None) == "test_explore" and isinstance(target, Cell) else None
+
+
+def matrix_id_of_nodeid(nodeid: str) -> str | None:
+    for test in ("::test_cell[", "::test_explore["):
+        if test in nodeid and nodeid.endswith("]"):
+            return nodeid.split(test, 1)[1][:-1]
+    return None
+
+
+def resumed_done(config) -> set[str]:
+    """With --matrix-resume: the cells and targets the run's journal already has."""
+    if not config.getoption("matrix_resume"):
+        return set()
+    root = Path(config.getoption("matrix_report_dir") or Path(__file__).parent / "reports")
+    state = journal.read(root / (config.getoption("matrix_run_id") or ""))
+    return set(state.records) | {e["target"] for e in state.explorations}
+
+
 def pytest_collection_modifyitems(config, items):
+    done = resumed_done(config)  # in each process that collects: the main one, or xdist's workers
+    if done:
+        config.hook.pytest_deselected(items=[item for item in items if matrix_item_id(item) in done])
+        items[:] = [item for item in items if matrix_item_id(item) not in done]
     explorations = 0
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if isinstance(params.get("cell"), Cell):
             item.user_properties.append((AXES_PROPERTY, params["cell"].axes()))
+            item.add_marker(pytest.mark.timeout(config.getoption("matrix_cell_timeout")))
         if isinstance(params.get("explore_target"), Cell):
             explorations += not any(m.name == "skip" for m in item.iter_markers())
             # pytest-timeout's per-test limit (pyproject.toml) fits a cell, not a search that
@@ -288,41 +342,151 @@ def invocation() -> str:
     return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 
+def is_timeout(report) -> bool:
+    """pytest-timeout's failure: the cell ran past --cell-timeout."""
+    return report.failed and "Timeout (>" in str(report.longrepr) and "pytest-timeout" in str(report.longrepr)
+
+
 def skip_reason_of(report) -> str:
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     return reason.removeprefix("Skipped: ")
 
 
 class Recorder:
-    """Collects one record per cell from the reports pytest delivers, then writes the run."""
+    """Collects one record per cell from the reports pytest delivers and writes the run.
+
+    The run's directory is created when the first cells are collected; from then on every
+    cell's start and record go to its journal (matrix/journal.py) as they happen, and
+    results.json is folded from them at the end. SIGTERM ends the run like Ctrl-C: the cells
+    done so far are written, marked incomplete. With --matrix-resume (python -m matrix run,
+    after a crash) the journal's finished cells are kept and not run again.
+    """
 
     def __init__(self, config, reports_root: Path, run_id: str | None = None) -> None:
         self.config = config
         self.reports_root = reports_root
+        self.resume = config.getoption("matrix_resume")
         try:
             self.run_id = matrix_report.check_run_id(run_id) if run_id else matrix_report.new_run_id()
         except ValueError as error:
             raise pytest.UsageError(f"--run-id: {error}") from None
-        if (reports_root / self.run_id).exists():
-            raise pytest.UsageError(
-                f"--run-id: {reports_root / self.run_id} exists; a run never writes into another run's directory"
-            )
+        self.directory = reports_root / self.run_id
+        if not self.resume:
+            try:  # claimed now, exclusively: a second run with this id stops here, before any cell
+                matrix_report.create_run_directory(reports_root, self.run_id)
+            except FileExistsError:
+                raise pytest.UsageError(
+                    f"--run-id: {self.directory} exists; a run never writes into another run's directory"
+                ) from None
         self.started = time.time()
         self.records: dict[str, dict] = {}
         self.explorations: list[dict] = []
+        self.selected: set[str] = set()
+        self.cells_by_nodeid: dict[str, Cell] = {}
+        self.journal: journal.Journal | None = None
         self.written: Path | None = None
+        self.header: dict | None = None
+        if self.resume:
+            state = journal.read(self.directory)
+            if state.run is None:
+                raise pytest.UsageError(f"--matrix-resume: {self.directory} has no journal to resume")
+            self.header, self.environment = state.run, state.environment
+            self.records, self.explorations = dict(state.records), list(state.explorations)
+
+    def pytest_configure(self, config):
+        if threading.current_thread() is threading.main_thread():
+            self.previous_sigterm = signal.signal(signal.SIGTERM, self.terminate)
+
+    def pytest_unconfigure(self, config):
+        if getattr(self, "previous_sigterm", None) is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+        if self.journal is None:  # no cell was selected (pytest tests, --collect-only): leave nothing
+            if not self.resume and self.directory.is_dir() and not any(self.directory.iterdir()):
+                self.directory.rmdir()
+        else:
+            self.journal.close()
+            faulthandler.disable()
+            self.faulthandler_log.close()
+            log = Path(self.faulthandler_log.name)
+            if log.exists() and log.stat().st_size == 0:
+                log.unlink()  # nothing crashed
+
+    def terminate(self, signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # pytest then finishes the session
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session, config, items):
+        done = set(self.records) | {e["target"] for e in self.explorations}
+        self.selected = {matrix_item_id(item) for item in items} - {None} | done
+        self.cells_by_nodeid = {item.nodeid: item.callspec.params["cell"] for item in items if is_cell_item(item)}
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        """Under xdist the workers collect: their node ids say what this run selected."""
+        if self.journal is None:
+            done = set(self.records) | {e["target"] for e in self.explorations}
+            self.selected = {matrix_id_of_nodeid(nodeid) for nodeid in ids} - {None} | done
+            self.open_journal()
+
+    def pytest_collection_finish(self, session):
+        if self.selected and self.journal is None:
+            self.open_journal()
+
+    def open_journal(self) -> None:
+        self.journal = journal.Journal(self.directory)
+        if self.header is None:
+            self.header = self.run_header()
+            self.environment = environment.capture(cuda_index(self.config))
+            self.journal.header(self.header, self.environment)
+        # a cell that kills the process leaves its Python stack here (python -m matrix run reads it)
+        self.faulthandler_log = open(self.directory / f"faulthandler-{os.getpid()}.log", "w")
+        faulthandler.enable(file=self.faulthandler_log, all_threads=True)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        if self.journal is None:
+            return
+        cell = self.cells_by_nodeid.get(nodeid)
+        if cell is None and "::test_cell[" in nodeid:  # under xdist the controller has no items
+            cell = cell_from_id(cell_id_from_nodeid(nodeid) or "")
+        if cell is not None:
+            self.journal.started(cell.axes())
+
+    def store(self, record: dict) -> None:
+        self.records[record["id"]] = record
+        if self.journal is not None:
+            self.journal.cell(record)
+
+    def run_header(self) -> dict:
+        return {
+            "id": self.run_id,
+            "command": invocation(),
+            "started_at": time.strftime(TIME_FORMAT, time.gmtime(self.started)),
+            "selection": {axis: list(values) for axis, values in self.config.stash[selection_key].items()},
+            "axes": {axis: list(values) for axis, values in axis_values().items()},
+            "workers": getattr(self.config.option, "numprocesses", None),
+            "shard": "{}/{}".format(*self.config.stash[shard_key]) if self.config.stash[shard_key] else None,
+            "cuda_device": self.config.getoption("matrix_cuda_device"),
+            # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
+            "stack": os.environ.get("MATRIX_STACK"),
+            "cell_timeout_s": self.config.getoption("matrix_cell_timeout"),
+            **{f"git_{k}": v for k, v in environment.git_state(Path(__file__).parent).items()},
+        }
 
     def pytest_runtest_logreport(self, report):
         properties = dict(report.user_properties)
         if EXPLORATION_PROPERTY in properties:
             if report.when == "call":
                 self.explorations.append(properties[EXPLORATION_PROPERTY])
+                if self.journal is not None:
+                    self.journal.exploration(properties[EXPLORATION_PROPERTY])
             return
         target_id = report.nodeid.split("::test_explore[", 1)[1][:-1] if "::test_explore[" in report.nodeid else None
         if target_id is not None:
             cell = cell_from_id(target_id)
             if report.skipped and cell is not None:
                 self.explorations.append(matrix_report.skipped_exploration_record(cell, skip_reason_of(report)))
+                if self.journal is not None:
+                    self.journal.exploration(self.explorations[-1])
             return
         axes = properties.get(AXES_PROPERTY)
         if axes is not None:
@@ -333,44 +497,48 @@ class Recorder:
             if cell is None:
                 return
         if RESULT_PROPERTY in properties and report.when == "call":
-            self.records[cell.id] = properties[RESULT_PROPERTY]
+            self.store(properties[RESULT_PROPERTY])
         elif report.skipped and cell.id not in self.records:
-            self.records[cell.id] = matrix_report.skipped_record(cell, skip_reason_of(report))
+            self.store(matrix_report.skipped_record(cell, skip_reason_of(report)))
         elif report.failed and (cell.id not in self.records or self.records[cell.id]["outcome"] == "passed"):
-            # Failed outside run_cell: a fixture error, a teardown check, or a crashed worker.
-            phase = report.when if report.when in ("setup", "call", "teardown") else "crash"
-            self.records[cell.id] = matrix_report.harness_failure_record(
-                cell, phase, str(report.longrepr), getattr(report, "duration", 0.0)
-            )
+            # Failed outside run_cell: a fixture error, a teardown check, a timeout, or a crashed worker.
+            if is_timeout(report):
+                record = matrix_report.timeout_record(
+                    cell, self.config.getoption("matrix_cell_timeout"), str(report.longrepr)
+                )
+            else:
+                phase = report.when if report.when in ("setup", "call", "teardown") else "crash"
+                record = matrix_report.harness_failure_record(
+                    cell, phase, str(report.longrepr), getattr(report, "duration", 0.0)
+                )
+            self.store(record)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        if not self.records and not self.explorations:
+        if self.journal is None:
             return
         finished = time.time()
         for record in self.records.values():  # skipped and harness-failed cells: the controller's command
             if record.get("rerun") is None:
                 record["rerun"] = rerun_command(self.config, Cell(**{axis: record[axis] for axis in AXES}))
+        missing = self.selected - set(self.records) - {e["target"] for e in self.explorations}
         run = {
-            "id": self.run_id,
-            "command": invocation(),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(finished)),
-            "duration_s": round(finished - self.started, 2),
+            **self.header,
+            "finished_at": time.strftime(TIME_FORMAT, time.gmtime(finished)),
+            # from the first start: a resumed run (python -m matrix run, after a crash) counts it all
+            "duration_s": round(finished - calendar.timegm(time.strptime(self.header["started_at"], TIME_FORMAT)), 2),
             "pytest_exit_status": int(exitstatus),
-            "selection": {axis: list(values) for axis, values in self.config.stash[selection_key].items()},
-            "axes": {axis: list(values) for axis, values in axis_values().items()},
-            "workers": getattr(self.config.option, "numprocesses", None),
-            "shard": "{}/{}".format(*self.config.stash[shard_key]) if self.config.stash[shard_key] else None,
-            "cuda_device": self.config.getoption("matrix_cuda_device"),
-            # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
-            "stack": os.environ.get("MATRIX_STACK"),
-            **{f"git_{k}": v for k, v in environment.git_state(Path(__file__).parent).items()},
+            "incomplete": bool(missing),
         }
-        env = environment.capture(cuda_index(self.config))
-        self.written = matrix_report.write_report(
-            self.reports_root, run, env, list(self.records.values()), self.explorations
-        )
+        if self.resume:
+            run["resumed"] = True
+        restart = self.config.stash.get(restart_key, None)
+        if restart and missing:
+            self.journal.write("restart", reason=restart)  # python -m matrix run resumes the rest
+        document = matrix_report.results_document(run, self.environment, list(self.records.values()), self.explorations)
+        matrix_report.write_documents(self.directory, document)
+        matrix_report.point_latest(self.reports_root, self.directory)
+        self.written = self.directory
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.written:

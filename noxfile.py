@@ -25,7 +25,11 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests"]
 
 ROOT = Path(__file__).parent
-STACKS = version_stacks.load()
+try:
+    STACKS = version_stacks.load()
+except version_stacks.StackError as error:  # one line naming the file and field, not a traceback
+    print(f"noxfile.py: {error}", file=sys.stderr)
+    sys.exit(2)
 TORCH_REQUIREMENT = os.environ.get("MATRIX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
 
@@ -58,12 +62,13 @@ def matrix(session: nox.Session) -> None:
     """The whole matrix (all cells; cuda cells skip with a reason where there is no GPU).
 
     Arguments after -- go to pytest: nox -s matrix -- --device cpu -k "bf16-mixed and eval".
-    One process by default: the cells take milliseconds and importing the stack takes
-    seconds, so on a small machine workers cost more than they save (2 cores: 18 s in one
-    process, 30 s with -n 2). Add `-- -n auto` on a big machine, or to isolate crashes.
+    One pytest process by default: the cells take milliseconds and importing the stack takes
+    seconds, so on a small machine workers cost more than they save. `python -m matrix run`
+    supervises it: a cell that kills the process or hangs is recorded with a crash or timeout
+    signature and the run resumes in a new process. Add `-- -n auto` on a big machine.
     """
     install_stack(session)
-    session.run("python", "-m", "pytest", "cases", *session.posargs)
+    session.run("python", "-m", "matrix", "run", "cases", *session.posargs)
 
 
 @nox.session
@@ -94,7 +99,7 @@ def stack(session: nox.Session, name: str) -> None:
         probe = "import torch; print(torch.cuda.is_available())"
         if "True" not in (session.run("python", "-c", probe, silent=True) or ""):
             session.skip(f"Requires: [CUDA device] (stack {name} needs a GPU; torch here sees none)")
-    session.run("python", "-m", "pytest", "cases", *chosen.select, *session.posargs)
+    session.run("python", "-m", "matrix", "run", "cases", *chosen.select, *session.posargs)
 
 
 @nox.session
@@ -130,7 +135,8 @@ def tests(session: nox.Session) -> None:
     session.run(
         "python",
         "-m",
-        "pytest",
+        "matrix",
+        "run",
         "cases",
         "--precision",
         "fp32",
@@ -139,6 +145,16 @@ def tests(session: nox.Session) -> None:
         "--report-dir",
         str(Path(smoke_reports) / "smoke-reports"),
     )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """How fast the matrix runs and what its harness costs: writes BENCHMARKS.md (matrix/bench.py).
+
+    Arguments after -- go to python -m matrix.bench: nox -s bench -- --per-cell-sample 8.
+    """
+    install_stack(session)
+    session.run("python", "-m", "matrix.bench", "--write", *session.posargs)
 
 
 @nox.session

@@ -8,10 +8,11 @@ catalogue says fails but that passes is an XPASS ("fixed"); any other failure fa
 
 import pytest
 
-from conftest import RESULT_PROPERTY, catalogue_key, cuda_index, installed_key, rerun_command
+from conftest import RESULT_PROPERTY, catalogue_key, cuda_index, installed_key, rerun_command, restart_key
 from matrix.catalogue import classify
 from matrix.phases import run_cell
 from matrix.report import device_placement, known_failure_record, result_record
+from matrix.signatures import poisons_process
 
 
 class KnownFailure(Exception):
@@ -42,6 +43,10 @@ def test_cell(cell, tmp_path, request):
     record["known_failure"] = known_failure_record(entry) if entry else None
     record.update(device_placement(cell, cuda_index(config)), rerun=rerun_command(config, cell))
     request.node.user_properties.append((RESULT_PROPERTY, record))
+    poison = poisons_process(result.message) if result.outcome == "failed" else None
+    if poison:  # this process's CUDA context is gone: stop here, python -m matrix run resumes in a new one
+        config.stash[restart_key] = f"{cell.id} failed with '{poison}'"
+        request.session.shouldstop = f"{config.stash[restart_key]}: the rest of the run needs a fresh process"
     if outcome == "known":
         raise KnownFailure(f"{entry.id} ({entry.link}): {signature.id} {signature.text}")
     if outcome == "failed":

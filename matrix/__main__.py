@@ -11,8 +11,20 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        from matrix.runner import main as run_matrix
+
+        return run_matrix(argv[1:])  # everything after `run` is pytest's
     parser = argparse.ArgumentParser(prog="python -m matrix")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "run",
+        help="the matrix in one pytest process that survives crashes and hangs: python -m matrix run "
+        "[pytest args] (cells that kill the process or hang are recorded, the rest still run)",
+    )
+    fold = commands.add_parser("fold", help="results.json from the journal of a run whose controller was killed")
+    fold.add_argument("directory", type=Path, help="the run's directory, reports/<run-id>")
     bisect = commands.add_parser("bisect", help="find the release that changed one cell's outcome")
     bisect.add_argument("--package", required=True)
     bisect.add_argument("--good", required=True, help="a version at one end (either order)")
@@ -62,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("diff", "merge") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
+    if args.command == "fold":
+        return fold_run(args.directory)
     if args.command == "diff":
         return diff_runs(args)
     if args.command == "merge":
@@ -91,6 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     except BisectError as error:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def fold_run(directory: Path) -> int:
+    from matrix import journal
+    from matrix.report import fold_journal
+
+    if (directory / "results.json").exists():
+        print(f"python -m matrix fold: {directory}/results.json exists: nothing to fold", file=sys.stderr)
+        return 2
+    try:
+        document = fold_journal(directory)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"python -m matrix fold: {error}", file=sys.stderr)
+        return 2
+    print(f"{directory}: {len(document['cells'])} cells from {journal.JOURNAL}, marked incomplete")
     return 0
 
 

@@ -97,11 +97,24 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
     except tomllib.TOMLDecodeError as error:
         raise _fail(path, "file", f"not valid TOML ({error})") from None
     entries, seen = [], set()
-    for index, raw in enumerate(data.get("entry", [])):
+    raw_entries = data.get("entry", [])
+    if not isinstance(raw_entries, list) or not all(isinstance(raw, dict) for raw in raw_entries):
+        raise _fail(path, "entry", "must be an array of tables, one [[entry]] per known failure")
+    unknown_keys = sorted(set(data) - {"entry"})
+    if unknown_keys:
+        raise _fail(path, "file", f"unknown top-level key {unknown_keys[0]!r} (only [[entry]] tables)")
+    for index, raw in enumerate(raw_entries):
         where = f"entry {raw.get('id', index)!r}"
         for key in ("id", "title", "kind", "signature", "cells", "workaround"):
             if key not in raw:
                 raise _fail(path, where, f"missing field '{key}'")
+        for key, kind in (("id", str), ("title", str), ("signature", str), ("cells", list), ("upstream", list)):
+            if key in raw and not isinstance(raw[key], kind):
+                raise _fail(path, where, f"field '{key}' must be a {'string' if kind is str else 'list'}")
+        if not all(isinstance(selector, dict) for selector in raw["cells"]):
+            raise _fail(path, where, "field 'cells' must be a list of {axis = [values]} tables")
+        if not isinstance(raw.get("versions", {}), dict):
+            raise _fail(path, where, "field 'versions' must be a table of package = specifier")
         if raw["id"] in seen:
             raise _fail(path, where, "duplicate id")
         seen.add(raw["id"])
@@ -121,6 +134,8 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
                 if axis not in axes:
                     raise _fail(path, where, f"cells[{s_index}] names unknown axis {axis!r}")
                 values = [values] if isinstance(values, str) else values
+                if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                    raise _fail(path, where, f"cells[{s_index}].{axis} must be a list of strings")
                 unknown = [v for v in values if v not in axes[axis]]
                 if unknown:
                     raise _fail(path, where, f"cells[{s_index}].{axis} has unknown value {unknown[0]!r}")
@@ -130,7 +145,7 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
         for package, spec in raw.get("versions", {}).items():
             try:
                 versions[package] = SpecifierSet(spec)
-            except InvalidSpecifier:
+            except (InvalidSpecifier, TypeError):
                 raise _fail(path, where, f"versions.{package} is not a PEP 440 specifier: {spec!r}") from None
         entries.append(
             Entry(

@@ -19,9 +19,11 @@ from matrix import SCHEMA_VERSION, devices
 from matrix.cells import Cell
 from matrix.environment import cpu_name
 from matrix.html_report import html_report
+from matrix.journal import json_safe
 from matrix.phases import CellResult
 from matrix.precisions import PRECISIONS
-from matrix.signatures import signature_of_crash
+from matrix.runner import RUN_ID_CHARACTERS
+from matrix.signatures import Signature, signature_of_crash
 
 OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
 
@@ -141,11 +143,55 @@ def harness_failure_record(cell: Cell, phase: str, description: str, duration_s:
     return record
 
 
+TIMEOUT_SIGNATURE_MESSAGE = "the cell did not finish within the per-cell timeout"
+
+
+def timeout_record(cell: Cell, timeout_s: float, stacks: str) -> dict:
+    """A cell stopped after --cell-timeout; `stacks` is where it was (pytest-timeout or faulthandler)."""
+    record = _base_record(cell, "failed")
+    signature = Signature("timeout", "Timeout", TIMEOUT_SIGNATURE_MESSAGE, "<cell timeout>")
+    record.update(
+        phase="timeout",
+        signature=signature.as_dict(),
+        message=f"stopped after {timeout_s:g} s\n{stacks[-6000:]}",
+        duration_s=float(timeout_s),
+    )
+    return record
+
+
+def crash_record(cell: Cell, cause: str, stacks: str, duration_s: float) -> dict:
+    """A cell whose process died: `cause` names the signal (SIGSEGV) or the exit status."""
+    record = _base_record(cell, "failed")
+    signature = Signature("crash", "ProcessDied", cause, crash_origin(stacks))
+    record.update(
+        phase="crash",
+        signature=signature.as_dict(),
+        message=f"the process running this cell died: {cause}\n{stacks[-6000:]}",
+        duration_s=round(duration_s, 4),
+    )
+    return record
+
+
+def crash_origin(stacks: str) -> str:
+    """The innermost frame of the thread that crashed, in a faulthandler dump, as module:function."""
+    lines = stacks.splitlines()
+    current = next((n for n, line in enumerate(lines) if line.startswith("Current thread")), 0)
+    for line in lines[current:]:
+        line = line.strip()
+        if line.startswith('File "') and " in " in line:
+            path, function = Path(line[len('File "') :].split('"', 1)[0]), line.rsplit(" in ", 1)[1]
+            parts = path.with_suffix("").parts
+            packages = [n for n, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
+            if packages:
+                module = ".".join(parts[packages[-1] + 1 :])
+            else:  # the standard library or a file of one's own: the file (its package for __init__)
+                module = parts[-2] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1]
+            return f"{module.removesuffix('.__init__')}:{function}"
+    return "<process>"
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 def check_run_id(run_id: str) -> str:
@@ -244,6 +290,22 @@ def summary_markdown(document: dict) -> str:
         ),
         f"- project commit: {run.get('git_commit') or 'unknown'}{' (dirty)' if run.get('git_dirty') else ''}",
     ]
+    if env.get("cuda_devices"):
+        gpus = env["cuda_devices"]
+        chosen = env.get("selected_cuda_device")
+        placement = (
+            "each xdist worker on its own GPU (--cuda-device per-worker; see each cell)"
+            if run.get("cuda_device") == "per-worker"
+            else f"cuda:{chosen} {gpus[chosen]['name']}, PCI {gpus[chosen].get('pci_bus_id') or 'unknown'}"
+            if isinstance(chosen, int) and chosen < len(gpus)
+            else "unknown"
+        )
+        lines.append(
+            f"- cuda cells ran on: {placement}; driver {env.get('driver_version') or 'unknown'} "
+            f"(CUDA {env.get('driver_cuda_version') or 'unknown'}), torch built with CUDA {env.get('torch_cuda')}; "
+            f"CUDA_VISIBLE_DEVICES={(env.get('env') or {}).get('CUDA_VISIBLE_DEVICES')}, "
+            f"CUDA_DEVICE_ORDER={(env.get('env') or {}).get('CUDA_DEVICE_ORDER')}"
+        )
     if run.get("stack"):
         lines.append(f"- version stack: `{run['stack']}`")
     lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
@@ -444,17 +506,6 @@ def point_latest(reports_root: Path, directory: Path) -> None:
         (reports_root / "LATEST").write_text(directory.name + "\n")
 
 
-def json_safe(value):
-    """Strict JSON: a non-finite float becomes the string "nan", "inf" or "-inf"."""
-    if (isinstance(value, float) and value != value) or value in (float("inf"), float("-inf")):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 def write_documents(directory: Path, document: dict) -> None:
     """results.json, summary.md, junit.xml and index.html of one run, into `directory`."""
     (directory / "results.json").write_text(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
@@ -470,6 +521,26 @@ def write_report(
     write_documents(directory, results_document(run, environment, records, explorations))
     point_latest(reports_root, directory)
     return directory
+
+
+def fold_journal(directory: Path, incomplete: bool = True) -> dict:
+    """results.json and the rest from a run directory's journal (its controller was killed)."""
+    from matrix import journal
+
+    state = journal.read(directory)
+    if state.run is None:
+        raise ValueError(f"{directory / journal.JOURNAL}: no run header: not a run's journal")
+    run = {**state.run, "incomplete": incomplete or bool(state.in_flight())}
+    run.setdefault("finished_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    records = list(state.records.values())
+    for _, axes in state.in_flight().values():
+        records.append(crash_record(Cell(**axes), "found running when the run's process died", "", 0.0))
+    run.setdefault("duration_s", 0.0)
+    run.setdefault("pytest_exit_status", None)
+    document = results_document(run, state.environment, records, state.explorations)
+    write_documents(directory, document)
+    point_latest(directory.parent, directory)
+    return document
 
 
 def write_new_directory(target: Path, document: dict) -> None:

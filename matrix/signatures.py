@@ -123,3 +123,17 @@ def signature_of(phase: str, exc: BaseException) -> Signature:
 def signature_of_crash(phase: str, description: str) -> Signature:
     """A cell whose process died has no exception object: only what pytest/xdist reported."""
     return Signature(phase, "crash", normalize_message(description), "<worker process>")
+
+
+# Errors after which a process's CUDA context is unusable: every later CUDA call in the same
+# process fails with the same error, so the rest of the run needs a fresh process.
+POISONS_PROCESS = (
+    "device-side assert triggered",
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+)
+
+
+def poisons_process(message: str | None) -> str | None:
+    """The poisoning error named in a failure's message, or None."""
+    return next((error for error in POISONS_PROCESS if message and error in message), None)

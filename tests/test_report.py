@@ -117,3 +117,24 @@ def test_metrics_stay_strict_json(value):
 
 def test_run_ids_are_unique():
     assert len({report.new_run_id() for _ in range(200)}) == 200
+
+
+def test_summary_says_which_gpu_the_cuda_cells_ran_on():
+    gpus = [
+        {"index": 0, "name": "Tesla T4", "compute_capability": "7.5", "total_memory_gib": 14.6, "native_bf16": False},
+        {
+            "index": 1,
+            "name": "NVIDIA A100-SXM4-40GB",
+            "compute_capability": "8.0",
+            "total_memory_gib": 39.4,
+            "native_bf16": True,
+            "pci_bus_id": "00000000:41:00.0",
+        },
+    ]
+    env = {**ENV, "cuda_devices": gpus, "selected_cuda_device": 1, "driver_version": "570.86.15"}
+    env["warnings"] = ["several different GPUs are visible"]
+    text = report.summary_markdown(report.results_document(RUN, env, records()))
+    assert "- cuda cells ran on: cuda:1 NVIDIA A100-SXM4-40GB, PCI 00000000:41:00.0; driver 570.86.15" in text
+    assert "- **warning:** several different GPUs are visible" in text
+    per_worker = report.summary_markdown(report.results_document({**RUN, "cuda_device": "per-worker"}, env, records()))
+    assert "each xdist worker on its own GPU" in per_worker

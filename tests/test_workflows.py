@@ -257,7 +257,7 @@ def test_push_workflow_sets_up_python_and_cancels_superseded_runs(tests_workflow
 
 
 def pytest_step(document: dict) -> dict:
-    return the_step(document, lambda step: "-m pytest" in step.get("run", ""), "runs python -m pytest")
+    return the_step(document, lambda step: "-m matrix run" in step.get("run", ""), "runs python -m matrix run")
 
 
 def report_upload(document: dict, name: str) -> dict:
@@ -270,7 +270,7 @@ def report_upload(document: dict, name: str) -> dict:
 
 def run_directory(document: dict) -> str:
     """The report directory of the nightly's pytest run: <--report-dir>/<--run-id>."""
-    words = command_line(pytest_step(document)["run"], "python -m pytest")
+    words = command_line(pytest_step(document)["run"], "python -m matrix run")
     return f"{normalize_path(option(words, '--report-dir'))}/{option(words, '--run-id')}"
 
 
@@ -302,8 +302,8 @@ def test_nightly_installs_nothing(nightly):
 
 def test_nightly_runs_both_devices_with_a_gpu_per_worker(nightly):
     step = pytest_step(nightly)
-    words = command_line(step["run"], "python -m pytest")
-    assert words[3] == "cases", words
+    words = command_line(step["run"], "python -m matrix run")
+    assert words[4] == "cases", words
     assert option(words, "-n") == "auto" and option(words, "--cuda-device") == "per-worker"
     assert not any(word == "--device" or word.startswith("--device=") for word in words), "cuda and cpu both run"
     # the manual run's extra arguments arrive through env:, expanded by the shell
@@ -478,7 +478,7 @@ def test_nightly_pytest_args_are_split_but_never_executed_or_globbed(nightly, tm
     assert code == 0
     words = (tmp_path / "fake.log").read_text().splitlines()
     assert words[-8:] == extra.split(), "each word of the extra arguments is one pytest argument, taken literally"
-    assert words[:2] == ["-m", "pytest"] and option(words, "--run-id") == f"nightly-{RUN_ID}"
+    assert words[:3] == ["-m", "matrix", "run"] and option(words, "--run-id") == f"nightly-{RUN_ID}"
     assert not (tmp_path / "pwned").exists()
 
 

@@ -1,0 +1,446 @@
+"""python -m matrix.bench: how long the matrix takes, and how far that is from what it must take.
+
+A cell computes for a fraction of a second; importing the stack (torch, transformers, peft,
+accelerate, Lightning) takes seconds. So the way the matrix is run decides its wall time: one
+process for all cells pays the import once, one process per cell pays it every time. This
+module measures, on one machine, for one selection of cells (default: the torch-engine CPU
+matrix, `--engine torch --device cpu`; pytest arguments after `--` are appended and, where they
+repeat an option, win):
+
+- matrix wall: the selection run as users run it (`--runner`, default `python -m matrix run`;
+  `--runner pytest` means `python -m pytest cases`), `--repeat` times: each wall, median, min;
+- floor: importing the stack once (a fresh `python -c "import ..."`, timed from outside, median)
+  plus the cells' own compute (the sum of their `duration_s` in results.json, median over runs):
+  what the matrix would take if running it cost nothing else;
+- overhead ratio: matrix wall (median) / floor;
+- process-per-cell: the same cells, each in a fresh `python -m pytest <node id>` as a naive
+  runner would, one after another (`--per-cell-sample K`: K cells spread over the selection,
+  the total extrapolated linearly); speed-up: process-per-cell total / matrix wall (median);
+- the targets below, each met or missed, and by how much.
+
+The report (Markdown) goes to stdout; `--write` also writes it to BENCHMARKS.md, `--json FILE`
+writes the figures as JSON. The machine's other load is recorded (CPU time used by other
+processes during the bench, from /proc/stat), since it inflates every figure. Exit status 0
+whether targets are met or not; 2, with one line, when a run fails (a runner exit status other
+than 0 or 1, no results.json, a per-cell run that does not run its cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RUNNER = "python -m matrix run"
+PYTEST_RUNNER = "python -m pytest cases"  # --runner pytest
+DEFAULT_SELECTION = ("--engine", "torch", "--device", "cpu")
+# What a cell run imports before its first cell (conftest.py, cases/test_cells.py).
+STACK_MODULES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "lightning",
+    "matrix.phases",
+    "matrix.engines",
+    "matrix.models",
+)
+RUN_OK = (0, 1)  # pytest: all passed, or some cells failed; anything else is a broken run
+BUSY_SHARE_WARNING = 0.2  # other processes' average use of the CPU, in cores, worth a warning
+
+
+@dataclass(frozen=True)
+class Target:
+    figure: str  # key in the figures
+    label: str
+    op: str  # "<" or ">="
+    limit: float
+    unit: str  # "s" (seconds), "x" (a factor) or "" (a plain ratio)
+    whole_torch_cpu_matrix_only: bool = False  # an absolute time only means something for one selection
+
+
+TARGETS = (
+    Target("matrix_wall_s", "torch-engine CPU matrix wall (median)", "<", 30.0, "s", whole_torch_cpu_matrix_only=True),
+    Target("overhead_ratio", "overhead ratio (matrix wall / floor)", "<", 1.5, ""),
+    Target("speedup", "speed-up over process-per-cell", ">=", 5.0, "x"),
+)
+
+
+class BenchError(Exception):
+    """A measurement that cannot be made; str() is the one line to print."""
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def timed(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    env = {**os.environ}
+    env.setdefault("HF_HUB_OFFLINE", "1")  # as conftest.py sets it before importing the stack
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    except OSError as error:
+        raise BenchError(f"cannot start {shlex.join(command)}: {error}") from None
+    return time.perf_counter() - start, done
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    """The line that says what went wrong: a usage error, else the exception pytest shows
+    (`E   ...`), else a summary line (`ERROR cases/...`), else the last line."""
+    lines = [line.strip() for line in (done.stderr + "\n" + done.stdout).splitlines() if line.strip()]
+    for prefixes in (("ERROR:", "error:"), ("E ",), ("ERROR", "FAILED", "Error")):
+        found = [line for line in lines if line.startswith(prefixes)]
+        if found:
+            return " ".join(found[-1].split())
+    return lines[-1] if lines else "(no output)"
+
+
+def runner_command(runner: str) -> list[str]:
+    """`pytest` means `python -m pytest cases`; a leading `python` is this interpreter."""
+    words = shlex.split(PYTEST_RUNNER if runner == "pytest" else runner)
+    if not words:
+        raise BenchError("--runner: empty command")
+    if words[0] in ("python", "python3"):
+        words[0] = sys.executable
+    return words
+
+
+def measure_import(repeat: int) -> list[float]:
+    """Walls of a fresh process importing what a cell run needs, timed from outside."""
+    command = [sys.executable, "-c", "import " + ", ".join(STACK_MODULES)]
+    walls = []
+    for n in range(1, repeat + 1):
+        wall, done = timed(command)
+        if done.returncode != 0:
+            raise BenchError(f"importing the stack failed (exit status {done.returncode}): {last_line(done)}")
+        progress(f"import {n}/{repeat}: {wall:.2f} s")
+        walls.append(wall)
+    return walls
+
+
+def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_dir: Path) -> list[dict]:
+    """Run the selection `repeat` times; per run its wall and what its results.json says."""
+    runs = []
+    for n in range(1, repeat + 1):
+        run_id = f"bench-{n}"
+        command = [*runner, *pytest_args, "--report-dir", str(report_dir), "--run-id", run_id, "-p", "no:cacheprovider"]
+        wall, done = timed(command)
+        if done.returncode not in RUN_OK:
+            raise BenchError(f"matrix run {n} exited with status {done.returncode}: {last_line(done)}")
+        results_file = report_dir / run_id / "results.json"
+        try:
+            results = json.loads(results_file.read_text())
+            cells = results["cells"]
+            run = {
+                "wall_s": wall,
+                "exit_status": done.returncode,
+                "compute_s": sum(cell["duration_s"] for cell in cells),
+                "cells": [cell["id"] for cell in cells],
+                "counts": results["counts"],
+                "whole_torch_cpu_matrix": is_whole_torch_cpu_matrix(cells, results["run"]["axes"]),
+            }
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise BenchError(f"matrix run {n} wrote no readable {results_file}: {error}") from None
+        progress(f"matrix run {n}/{repeat}: {wall:.1f} s, {len(cells)} cells, compute {run['compute_s']:.1f} s")
+        runs.append(run)
+    return runs
+
+
+def is_whole_torch_cpu_matrix(cells: list[dict], axes: dict) -> bool:
+    expected = len(axes["model"]) * len(axes["precision"]) * len(axes["mode"])
+    return len(cells) == expected and all(c["engine"] == "torch" and c["device"] == "cpu" for c in cells)
+
+
+def spread(items: list[str], sample: int | None) -> list[str]:
+    """`sample` items spread evenly over `items` (each from the middle of its share); all if None."""
+    if sample is None or sample >= len(items):
+        return list(items)
+    return [items[int((i + 0.5) * len(items) / sample)] for i in range(sample)]
+
+
+def run_per_cell(cell_ids: list[str], pytest_args: list[str], sample: int | None) -> dict:
+    """Each (sampled) cell in a fresh pytest process, one after another."""
+    chosen = spread(cell_ids, sample)
+    walls = []
+    for n, cell_id in enumerate(chosen, 1):
+        node = f"cases/test_cells.py::test_cell[{cell_id}]"
+        command = [sys.executable, "-m", "pytest", node, *pytest_args, "--no-report", "-p", "no:cacheprovider", "-q"]
+        wall, done = timed(command)
+        if done.returncode not in RUN_OK:
+            raise BenchError(f"per-cell run of {cell_id} exited with status {done.returncode}: {last_line(done)}")
+        progress(f"per-cell {n}/{len(chosen)}: {cell_id} {wall:.2f} s")
+        walls.append(wall)
+    return per_cell_figures(len(cell_ids), chosen, walls)
+
+
+def per_cell_figures(cells_total: int, cells: list[str], walls: list[float]) -> dict:
+    mean = statistics.fmean(walls)
+    return {
+        "cells_total": cells_total,
+        "cells_run": len(walls),
+        "extrapolated": len(walls) < cells_total,
+        "cells": cells,
+        "walls_s": walls,
+        "measured_s": sum(walls),
+        "mean_s": mean,
+        "total_s": mean * cells_total if len(walls) < cells_total else sum(walls),
+    }
+
+
+def amount(value: float, unit: str) -> str:
+    return f"{value:.1f} s" if unit == "s" else f"{value:.2f}{unit}"
+
+
+def evaluate(target: Target, value: float, whole_torch_cpu_matrix: bool) -> dict:
+    """Met or missed, and by how much (absolute, and relative to the limit)."""
+    result = {**asdict(target), "value": value, "met": None, "margin": None}
+    if target.whole_torch_cpu_matrix_only and not whole_torch_cpu_matrix:
+        result["verdict"] = "not evaluated: the target is for the whole torch-engine CPU matrix"
+        return result
+    margin = target.limit - value if target.op == "<" else value - target.limit  # > 0: room to spare
+    met = margin > 0 if target.op == "<" else margin >= 0
+    share = f"{abs(margin) / target.limit:.0%}"
+    if target.op == "<":
+        side = f"{share} under the limit" if met else f"{share} over the limit"
+    else:
+        side = f"{share} above the minimum" if met else f"{share} short of the minimum"
+    verdict = f"{'met' if met else 'missed'} by {amount(abs(margin), target.unit)} ({side})"
+    return {**result, "met": met, "margin": margin, "verdict": verdict}
+
+
+def figures(import_walls: list[float], runs: list[dict], per_cell: dict, meta: dict) -> dict:
+    """Everything the report shows, derived from the measurements."""
+    walls = [run["wall_s"] for run in runs]
+    wall = statistics.median(walls)
+    import_s = statistics.median(import_walls)
+    compute_s = statistics.median(run["compute_s"] for run in runs)
+    floor = import_s + compute_s
+    values = {
+        "matrix_wall_s": wall,
+        "overhead_ratio": wall / floor,
+        "speedup": per_cell["total_s"] / wall,
+    }
+    whole = runs[0]["whole_torch_cpu_matrix"]
+    return {
+        **meta,
+        "selection": {
+            "cells": len(runs[0]["cells"]),
+            "counts": runs[0]["counts"],
+            "whole_torch_cpu_matrix": whole,
+        },
+        "matrix": {
+            "walls_s": walls,
+            "median_s": wall,
+            "min_s": min(walls),
+            "compute_s": [run["compute_s"] for run in runs],
+            "exit_statuses": [run["exit_status"] for run in runs],
+        },
+        "floor": {"import_walls_s": import_walls, "import_s": import_s, "compute_s": compute_s, "floor_s": floor},
+        "overhead_ratio": values["overhead_ratio"],
+        "per_cell": per_cell,
+        "speedup": values["speedup"],
+        "targets": [evaluate(target, values[target.figure], whole) for target in TARGETS],
+    }
+
+
+def cpu_seconds() -> tuple[float | None, float]:
+    """(CPU time the whole machine spent busy, from /proc/stat, or None; CPU time of this
+    process and its finished children)."""
+    busy = None
+    try:
+        fields = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+    except (OSError, ValueError):
+        pass
+    own = sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
+    return busy, own
+
+
+def machine() -> dict:
+    from matrix import environment  # imports torch: only once the measurements are done
+
+    return {
+        "cpu": environment.cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": environment.package_versions(),
+        "git": environment.git_state(ROOT),
+    }
+
+
+def bench_command(args: argparse.Namespace, extra: list[str]) -> str:
+    words = ["python", "-m", "matrix.bench"]
+    if args.runner != DEFAULT_RUNNER:
+        words += ["--runner", args.runner]
+    words += ["--repeat", str(args.repeat)]
+    if args.per_cell_sample is not None:
+        words += ["--per-cell-sample", str(args.per_cell_sample)]
+    return shlex.join(words + (["--", *extra] if extra else []))
+
+
+def seconds(values: list[float]) -> str:
+    return ", ".join(f"{value:.1f} s" for value in values)
+
+
+def report_markdown(f: dict) -> str:
+    m, fl, pc = f["machine"], f["floor"], f["per_cell"]
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in f["selection"]["counts"].items() if n)
+    packages = ", ".join(f"{name} {version}" for name, version in m["packages"].items() if version)
+    commit = m["git"].get("commit") or "unknown"
+    commit = f"{commit[:12]}{' (uncommitted changes)' if m['git'].get('dirty') else ''}"
+    if pc["extrapolated"]:
+        per_cell_how = f"extrapolated from {pc['cells_run']} of {pc['cells_total']} cells ({seconds(pc['walls_s'])})"
+    else:
+        per_cell_how = f"all {pc['cells_total']} cells measured"
+    load = f["load"]
+    other = load["other_cpu_cores"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Measured by `python -m matrix.bench` on {f['date']}.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m['cpu']}, {m['cpu_count']} cores |",
+        f"| Python | {m['python']} ({m['platform']}) |",
+        f"| packages | {packages} |",
+        f"| project commit | {commit} |",
+        f"| load average (1 min) | {load['before']:.2f} before, {load['after']:.2f} after |",
+        "| other processes' CPU use during the bench | "
+        + ("unknown" if other is None else f"{other:.2f} cores on average")
+        + " |",
+        "",
+    ]
+    if other is not None and other > BUSY_SHARE_WARNING:
+        lines += [f"⚠️ Other processes kept {other:.2f} cores busy on average: the timings are inflated.", ""]
+    lines += [
+        "## Selection",
+        "",
+        f"`{f['runner']} {shlex.join(f['pytest_args'])}`: {f['selection']['cells']} cells ({counts}).",
+        "",
+        "## Figures",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| matrix wall, each run | {seconds(f['matrix']['walls_s'])} |",
+        f"| matrix wall, median (min) | {f['matrix']['median_s']:.1f} s ({f['matrix']['min_s']:.1f} s) |",
+        f"| floor = import + cell compute | {fl['floor_s']:.1f} s = {fl['import_s']:.1f} s + {fl['compute_s']:.1f} s |",
+        f"| import the stack, each run (median) | {seconds(fl['import_walls_s'])} ({fl['import_s']:.1f} s) |",
+        f"| cell compute, each run (median) | {seconds(f['matrix']['compute_s'])} ({fl['compute_s']:.1f} s) |",
+        f"| overhead ratio = wall / floor | {f['overhead_ratio']:.2f} |",
+        f"| process-per-cell total | {pc['total_s']:.1f} s, {pc['mean_s']:.2f} s per cell; {per_cell_how} |",
+        f"| speed-up = process-per-cell / wall | {f['speedup']:.1f}x |",
+        "",
+        "The floor is what the matrix would take if running it cost nothing beyond importing the stack once "
+        "and each cell's own compute (`duration_s` in results.json).",
+        "",
+        "## Targets",
+        "",
+        "| target | goal | measured | verdict |",
+        "|---|---|---|---|",
+    ]
+    for t in f["targets"]:
+        mark = {True: "✅", False: "❌", None: "➖"}[t["met"]]
+        goal = f"{t['op']} {amount(t['limit'], t['unit'])}"
+        lines.append(f"| {t['label']} | {goal} | {amount(t['value'], t['unit'])} | {mark} {t['verdict']} |")
+    lines += [
+        "",
+        "## How to reproduce",
+        "",
+        "`nox -s bench` (`python -m matrix.bench` in the project's environment), or this run exactly:",
+        "",
+        "```",
+        f["command"],
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="python -m matrix.bench",
+        usage="%(prog)s [options] [-- pytest args]",
+        description="Time the matrix against its floor and against one process per cell. pytest args after -- "
+        f"are appended to the default selection ({' '.join(DEFAULT_SELECTION)}); a repeated option wins.",
+    )
+    parser.add_argument(
+        "--runner",
+        default=DEFAULT_RUNNER,
+        help=f"the command that runs the matrix (default: {DEFAULT_RUNNER}); 'pytest' means python -m pytest cases",
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3, help="matrix runs and imports (default 3)")
+    parser.add_argument(
+        "--per-cell-sample", type=positive_int, metavar="K", help="run only K cells one per process, extrapolate"
+    )
+    parser.add_argument("--write", action="store_true", help="also write the report to BENCHMARKS.md")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
+    return parser.parse_args(own), extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    pytest_args = [*DEFAULT_SELECTION, *extra]
+    load_before = os.getloadavg()[0]
+    busy_before, own_before = cpu_seconds()
+    start = time.perf_counter()
+    try:
+        runner = runner_command(args.runner)
+        with tempfile.TemporaryDirectory(prefix="matrix-bench-") as reports:
+            runs = run_matrix(runner, pytest_args, args.repeat, Path(reports))
+        import_walls = measure_import(args.repeat)
+        per_cell = run_per_cell(runs[0]["cells"], pytest_args, args.per_cell_sample)
+    except BenchError as error:
+        print(f"python -m matrix.bench: {error}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    busy_after, own_after = cpu_seconds()
+    other = None
+    if busy_before is not None and busy_after is not None:
+        other = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / elapsed
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "load": {"before": load_before, "after": os.getloadavg()[0], "other_cpu_cores": other},
+        "runner": PYTEST_RUNNER if args.runner == "pytest" else args.runner,
+        "pytest_args": pytest_args,
+        "command": bench_command(args, extra),
+    }
+    result = figures(import_walls, runs, per_cell, meta)
+    markdown = report_markdown(result)
+    print(markdown)
+    if args.write:
+        (ROOT / "BENCHMARKS.md").write_text(markdown)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A run's journal, reports/<run-id>/cells.jsonl: one JSON line per event, written as it happens.
+
+results.json is written once, at the end. The journal is what survives when the end never
+comes: the run's header (run and environment) first, then for each cell a `start` line when
+it begins and a `cell` line with its record when it ends (a later line for the same cell wins).
+A cell with a start and no record was running when its process died. `python -m matrix run`
+reads it to record such a cell as crashed and resume the others; `python -m matrix fold DIR`
+turns a journal whose controller was killed into results.json, marked incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+JOURNAL = "cells.jsonl"
+AXES = ("model", "precision", "mode", "device", "engine")
+
+
+def json_safe(value):
+    """Strict JSON: a non-finite float becomes the string "nan", "inf" or "-inf"."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class Journal:
+    """Appends events; each line is flushed as written, so a crash loses at most the line."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / JOURNAL
+        self.file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, event: str, **fields) -> None:
+        line = json.dumps(json_safe({"event": event, "time": time.time(), **fields}), allow_nan=False)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def header(self, run: dict, environment: dict) -> None:
+        self.write("run", run=run, environment=environment, pid=os.getpid())
+
+    def started(self, axes: dict) -> None:
+        """A cell begins: its axes, so a reader without its model kind registered can name it."""
+        self.write("start", cell="-".join(axes[a] for a in AXES), axes=axes, pid=os.getpid())
+
+    def cell(self, record: dict) -> None:
+        self.write("cell", record=record)
+
+    def exploration(self, record: dict) -> None:
+        self.write("exploration", record=record)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@dataclass
+class JournalState:
+    run: dict | None = None
+    environment: dict | None = None
+    records: dict[str, dict] = field(default_factory=dict)
+    explorations: list[dict] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)  # a process stopped for a fresh one to go on
+    started: dict[str, tuple[float, dict]] = field(default_factory=dict)  # cell id -> (start time, axes)
+
+    def in_flight(self) -> dict[str, tuple[float, dict]]:
+        """Cells that started and have no record: running now, or running when the process died."""
+        return {cell: start for cell, start in self.started.items() if cell not in self.records}
+
+
+def read(directory: Path) -> JournalState:
+    """What the journal says so far. A torn last line (the writer died mid-line) is ignored."""
+    state = JournalState()
+    path = Path(directory) / JOURNAL
+    if not path.exists():
+        return state
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            if number == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {number + 1}: not JSON") from None
+        kind = event.get("event")
+        if kind == "run":
+            state.run, state.environment = event["run"], event["environment"]
+        elif kind == "start":
+            state.started[event["cell"]] = (event["time"], event["axes"])
+        elif kind == "cell":
+            state.records[event["record"]["id"]] = event["record"]
+        elif kind == "exploration":
+            state.explorations.append(event["record"])
+        elif kind == "restart":
+            state.restarts.append(event["time"])
+    return state

@@ -1,0 +1,215 @@
+"""python -m matrix.bench: a real (small) measurement, its failures, and the figures, targets
+and report from hand-made measurements."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from matrix import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO_CELLS = ("--model", "tiny-llama", "--precision", "fp32", "--engine", "torch", "--device", "cpu")
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_ADDOPTS", "PYTEST_XDIST"))}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "matrix.bench", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
+    out = tmp_path / "bench.json"
+    options = ("--runner", "pytest", "--repeat", "1", "--per-cell-sample", "1", "--json", str(out))
+    done = run_bench(*options, "--", *TWO_CELLS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    f = json.loads(out.read_text())
+
+    assert f["selection"]["cells"] == 2 and f["selection"]["whole_torch_cpu_matrix"] is False
+    assert f["selection"]["counts"]["passed"] == 2
+    wall = f["matrix"]["median_s"]
+    assert f["matrix"]["walls_s"] == [wall] and f["matrix"]["exit_statuses"] == [0]
+    floor = f["floor"]
+    assert floor["import_walls_s"] == [floor["import_s"]] and floor["import_s"] > 0
+    assert 0 < floor["compute_s"] < wall  # the cells' own time is part of the run's wall
+    assert floor["floor_s"] == pytest.approx(floor["import_s"] + floor["compute_s"])
+    assert f["overhead_ratio"] == pytest.approx(wall / floor["floor_s"])
+
+    per_cell = f["per_cell"]
+    assert (per_cell["cells_run"], per_cell["cells_total"], per_cell["extrapolated"]) == (1, 2, True)
+    assert per_cell["cells"][0] in ("tiny-llama-fp32-eval-cpu-torch", "tiny-llama-fp32-train-cpu-torch")
+    assert per_cell["total_s"] == pytest.approx(per_cell["walls_s"][0] * 2)
+    assert f["speedup"] == pytest.approx(per_cell["total_s"] / wall)
+
+    targets = {t["figure"]: t for t in f["targets"]}
+    assert targets["matrix_wall_s"]["met"] is None  # 2 cells are not the torch-engine CPU matrix
+    assert targets["overhead_ratio"]["met"] == (f["overhead_ratio"] < 1.5)
+    assert targets["speedup"]["met"] == (f["speedup"] >= 5)
+
+    assert done.stdout.startswith("# Benchmarks")
+    assert "extrapolated from 1 of 2 cells" in done.stdout
+    assert f["command"] in done.stdout
+    assert f["machine"]["cpu_count"] == os.cpu_count() and f["machine"]["packages"]["torch"]
+    assert "matrix run 1/1:" in done.stderr and "per-cell 1/1:" in done.stderr  # progress
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--runner", "pytest", "--", "--model", "nope"), "matrix run 1 exited with status 4: ERROR: --model: unknown"),
+        (("--runner", "python -c pass"), "matrix run 1 wrote no readable"),
+        (("--runner", "no-such-runner-command"), "cannot start no-such-runner-command"),
+    ],
+)
+def test_a_broken_run_exits_2_with_one_line(args, expected):
+    done = run_bench("--repeat", "1", *args)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"python -m matrix.bench: {expected}"), done.stderr
+
+
+TARGET_LT = bench.Target("matrix_wall_s", "wall", "<", 30.0, "s")
+TARGET_GE = bench.Target("speedup", "speed-up", ">=", 5.0, "x")
+TARGET_RATIO = bench.Target("overhead_ratio", "ratio", "<", 1.5, "")
+
+
+@pytest.mark.parametrize(
+    ("target", "value", "met", "verdict"),
+    [
+        (TARGET_LT, 18.0, True, "met by 12.0 s (40% under the limit)"),
+        (TARGET_LT, 45.0, False, "missed by 15.0 s (50% over the limit)"),
+        (TARGET_LT, 30.0, False, "missed by 0.0 s (0% over the limit)"),  # the limit is exclusive
+        (TARGET_GE, 7.5, True, "met by 2.50x (50% above the minimum)"),
+        (TARGET_GE, 5.0, True, "met by 0.00x (0% above the minimum)"),  # the minimum is inclusive
+        (TARGET_GE, 4.0, False, "missed by 1.00x (20% short of the minimum)"),
+        (TARGET_RATIO, 1.8, False, "missed by 0.30 (20% over the limit)"),
+    ],
+)
+def test_target_evaluation_says_met_or_missed_and_by_how_much(target, value, met, verdict):
+    result = bench.evaluate(target, value, whole_torch_cpu_matrix=True)
+    assert (result["met"], result["verdict"], result["value"]) == (met, verdict, value)
+
+
+def test_the_wall_target_applies_only_to_the_whole_torch_cpu_matrix():
+    target = bench.TARGETS[0]
+    assert target.whole_torch_cpu_matrix_only and target.figure == "matrix_wall_s"
+    result = bench.evaluate(target, 10.0, whole_torch_cpu_matrix=False)
+    assert result["met"] is None and result["verdict"].startswith("not evaluated")
+    assert bench.evaluate(target, 10.0, whole_torch_cpu_matrix=True)["met"] is True
+
+
+def hand_made(other_cpu_cores=0.05, whole=True, sample=4):
+    runs = [
+        {"wall_s": w, "exit_status": 0, "compute_s": c, "cells": [f"c{i}" for i in range(64)]}
+        for w, c in ((22.0, 14.5), (20.0, 14.0), (21.0, 13.0))
+    ]
+    for run in runs:
+        run.update(counts={"passed": 40, "known": 24, "failed": 0}, whole_torch_cpu_matrix=whole)
+    per_cell = bench.per_cell_figures(64, bench.spread(runs[0]["cells"], sample), [6.0, 6.5, 5.5, 6.0][:sample])
+    meta = {
+        "date": "2025-01-02 03:04 UTC",
+        "machine": {
+            "cpu": "Test CPU",
+            "cpu_count": 2,
+            "python": "3.11.7",
+            "platform": "Linux",
+            "packages": {"torch": "2.13.0+cpu", "peft": None},
+            "git": {"commit": "0123456789abcdef", "dirty": True},
+        },
+        "load": {"before": 0.1, "after": 1.0, "other_cpu_cores": other_cpu_cores},
+        "runner": "python -m matrix run",
+        "pytest_args": ["--engine", "torch", "--device", "cpu"],
+        "command": "python -m matrix.bench --repeat 3 --per-cell-sample 4",
+    }
+    return bench.figures([4.2, 4.0, 3.9], runs, per_cell, meta)
+
+
+def test_figures_from_hand_made_measurements():
+    f = hand_made()
+    assert (f["matrix"]["median_s"], f["matrix"]["min_s"]) == (21.0, 20.0)
+    assert (f["floor"]["import_s"], f["floor"]["compute_s"], f["floor"]["floor_s"]) == (4.0, 14.0, 18.0)
+    assert f["overhead_ratio"] == pytest.approx(21.0 / 18.0)
+    assert f["per_cell"]["cells"] == ["c8", "c24", "c40", "c56"]
+    assert f["per_cell"]["total_s"] == pytest.approx(6.0 * 64) and f["per_cell"]["measured_s"] == 24.0
+    assert f["speedup"] == pytest.approx(6.0 * 64 / 21.0)
+    assert [t["met"] for t in f["targets"]] == [True, True, True]
+
+
+def test_the_markdown_report_shows_every_figure():
+    text = bench.report_markdown(hand_made())
+    lines = text.splitlines()
+    assert lines[0] == "# Benchmarks"
+    for expected in (
+        "| CPU | Test CPU, 2 cores |",
+        "| packages | torch 2.13.0+cpu |",
+        "| project commit | 0123456789ab (uncommitted changes) |",
+        "| load average (1 min) | 0.10 before, 1.00 after |",
+        "`python -m matrix run --engine torch --device cpu`: 64 cells (40 passed, 24 known).",
+        "| matrix wall, each run | 22.0 s, 20.0 s, 21.0 s |",
+        "| matrix wall, median (min) | 21.0 s (20.0 s) |",
+        "| floor = import + cell compute | 18.0 s = 4.0 s + 14.0 s |",
+        "| import the stack, each run (median) | 4.2 s, 4.0 s, 3.9 s (4.0 s) |",
+        "| overhead ratio = wall / floor | 1.17 |",
+        "| process-per-cell total | 384.0 s, 6.00 s per cell; extrapolated from 4 of 64 cells "
+        "(6.0 s, 6.5 s, 5.5 s, 6.0 s) |",
+        "| speed-up = process-per-cell / wall | 18.3x |",
+        "| torch-engine CPU matrix wall (median) | < 30.0 s | 21.0 s | ✅ met by 9.0 s (30% under the limit) |",
+        "| overhead ratio (matrix wall / floor) | < 1.50 | 1.17 | ✅ met by 0.33 (22% under the limit) |",
+        "python -m matrix.bench --repeat 3 --per-cell-sample 4",
+    ):
+        assert expected in lines, expected
+    assert "⚠️" not in text
+
+
+def test_the_report_warns_of_a_busy_machine_and_marks_missed_targets():
+    f = hand_made(other_cpu_cores=0.9, sample=1)
+    f["per_cell"] = bench.per_cell_figures(64, ["c32"], [1.0])
+    f["targets"][2] = bench.evaluate(bench.TARGETS[2], 64 / 21.0, whole_torch_cpu_matrix=True)
+    text = bench.report_markdown(f)
+    assert "⚠️ Other processes kept 0.90 cores busy on average: the timings are inflated." in text
+    missed = "| speed-up over process-per-cell | >= 5.00x | 3.05x | ❌ missed by 1.95x (39% short of the minimum) |"
+    assert missed in text
+    assert "extrapolated from 1 of 64 cells" in text
+    unmeasured = hand_made(whole=False)
+    assert "| ➖ not evaluated: the target is for the whole torch-engine CPU matrix |" in bench.report_markdown(
+        unmeasured
+    )
+
+
+def test_all_cells_measured_are_not_extrapolated():
+    per_cell = bench.per_cell_figures(3, ["a", "b", "c"], [1.0, 2.0, 4.0])
+    assert per_cell["total_s"] == 7.0 and not per_cell["extrapolated"]
+    f = hand_made()
+    f["per_cell"] = per_cell
+    assert "all 3 cells measured" in bench.report_markdown(f)
+
+
+def test_spread_runner_and_arguments():
+    cells = [str(i) for i in range(10)]
+    assert bench.spread(cells, None) == cells and bench.spread(cells, 12) == cells
+    assert bench.spread(cells, 1) == ["5"] and bench.spread(cells, 2) == ["2", "7"]
+    assert bench.runner_command("pytest") == [sys.executable, "-m", "pytest", "cases"]
+    assert bench.runner_command("python -m matrix run") == [sys.executable, "-m", "matrix", "run"]
+    args, extra = bench.parse_args(["--repeat", "2", "--", "--model", "lora", "-k", "eval"])
+    assert (args.repeat, args.runner, args.per_cell_sample, extra) == (2, "python -m matrix run", None, extra)
+    assert extra == ["--model", "lora", "-k", "eval"]
+    assert bench.bench_command(args, extra) == "python -m matrix.bench --repeat 2 -- --model lora -k eval"
+
+
+def test_the_one_line_names_what_went_wrong():
+    collection_error = subprocess.CompletedProcess(
+        [],
+        2,
+        stdout="cases/test_cells.py:11: in <module>\n    from conftest import X\n"
+        "E   ImportError: cannot import name 'X'\n=== short test summary info ===\nERROR cases/test_cells.py\n",
+        stderr="",
+    )
+    assert bench.last_line(collection_error) == "E ImportError: cannot import name 'X'"
+    usage = subprocess.CompletedProcess([], 4, stdout="", stderr="ERROR: --model: unknown value 'nope'\n")
+    assert bench.last_line(usage) == "ERROR: --model: unknown value 'nope'"
+    assert bench.last_line(subprocess.CompletedProcess([], 3, stdout="", stderr="")) == "(no output)"

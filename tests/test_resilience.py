@@ -1,0 +1,244 @@
+"""Faults a run survives, losing nothing: crashes, hangs, a poisoned process, SIGTERM, a killed
+controller, two runs at once; and bad input refused in one line before anything runs.
+
+The faults come from model kinds defined outside the matrix package
+(tests/plugins/fault_models.py): each fails only in bf16-true cells, so every run here also
+shows the fp32 cells beside it still running and being reported.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+SCHEMA = json.loads((ROOT / "matrix" / "results.schema.json").read_text())
+CELLS = ("--precision", "fp32,bf16-true", "--engine", "torch", "--device", "cpu", "-p", "no:cacheprovider")
+
+
+def environment() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def matrix_run(tmp_path, *args, run_id="run", timeout=300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "matrix", "run", "-p", "fault_models", *CELLS, *args]
+    command += ["--report-dir", str(tmp_path), "--run-id", run_id]
+    return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=timeout)
+
+
+def results(directory: Path) -> dict:
+    document = json.loads((directory / "results.json").read_text())
+    jsonschema.validate(document, SCHEMA)
+    return document
+
+
+def by_id(document: dict) -> dict:
+    return {cell["id"]: cell for cell in document["cells"]}
+
+
+def test_a_segfault_and_an_abort_are_recorded_and_every_other_cell_runs(tmp_path):
+    done = matrix_run(tmp_path, "--model", "fault-segfault,fault-abort")
+    assert done.returncode == 1, done.stderr[-3000:]
+    document = results(tmp_path / "run")
+    cells = by_id(document)
+    assert len(cells) == 8 and document["run"]["incomplete"] is False
+    for model, signal_name, origin in (
+        ("fault-segfault", "SIGSEGV", "ctypes:string_at"),
+        ("fault-abort", "SIGABRT", "fault_models:abort"),
+    ):
+        for mode in ("train", "eval"):
+            assert cells[f"{model}-fp32-{mode}-cpu-torch"]["outcome"] == "passed"
+            crashed = cells[f"{model}-bf16-true-{mode}-cpu-torch"]
+            assert crashed["outcome"] == "failed" and crashed["phase"] == "crash"
+            assert crashed["signature"]["text"] == f"crash: ProcessDied: killed by {signal_name} @ {origin}"
+            assert "Fatal Python error" in crashed["message"] and "fault_models.py" in crashed["message"]
+    # the same fault gives the same signature each time it happens
+    assert len({cells[f"fault-segfault-bf16-true-{m}-cpu-torch"]["signature"]["id"] for m in ("train", "eval")}) == 1
+    assert "crashed (SIGSEGV)" in done.stderr and "resuming the run" in done.stderr
+
+
+def test_a_sleeping_cell_times_out_in_plain_pytest_too(tmp_path):
+    command = [sys.executable, "-m", "pytest", "cases", "-p", "fault_models", "--model", "fault-sleep", *CELLS]
+    command += ["--mode", "eval", "--cell-timeout", "2", "--report-dir", str(tmp_path), "--run-id", "plain"]
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and time.monotonic() - started < 120, done.stdout[-3000:]
+    cells = by_id(results(tmp_path / "plain"))
+    timed_out = cells["fault-sleep-bf16-true-eval-cpu-torch"]
+    assert timed_out["signature"]["text"] == (
+        "timeout: Timeout: the cell did not finish within the per-cell timeout @ <cell timeout>"
+    )
+    assert timed_out["message"].startswith("stopped after 2 s") and "fault_models.py" in timed_out["message"]
+    assert cells["fault-sleep-fp32-eval-cpu-torch"]["outcome"] == "passed"
+
+
+def test_a_hang_nothing_inside_can_stop_is_killed_and_recorded_with_its_stack(tmp_path):
+    done = matrix_run(tmp_path, "--model", "fault-hang", "--mode", "train", "--cell-timeout", "2")
+    assert done.returncode == 1, done.stderr[-3000:]
+    cells = by_id(results(tmp_path / "run"))
+    hung = cells["fault-hang-bf16-true-train-cpu-torch"]
+    assert hung["phase"] == "timeout" and hung["signature"]["exception"] == "Timeout"
+    assert "in hang" in hung["message"]  # faulthandler's stack, written when the watchdog aborted it
+    assert cells["fault-hang-fp32-train-cpu-torch"]["outcome"] == "passed"
+    assert "timed out after 2 s" in done.stderr
+
+
+def test_a_cuda_error_that_poisons_the_process_moves_the_rest_to_a_fresh_one(tmp_path):
+    done = matrix_run(tmp_path, "--model", "fault-cuda-assert,fault-segfault", "--mode", "train")
+    assert done.returncode == 1, done.stderr[-3000:]
+    cells = by_id(results(tmp_path / "run"))
+    assert len(cells) == 4
+    poisoned = cells["fault-cuda-assert-bf16-true-train-cpu-torch"]
+    assert poisoned["outcome"] == "failed" and "device-side assert triggered" in poisoned["signature"]["text"]
+    starts = [json.loads(line) for line in (tmp_path / "run" / "cells.jsonl").read_text().splitlines()]
+    pids = {e["cell"]: e["pid"] for e in starts if e["event"] == "start"}
+    # the cells after the poisoned one ran in another process
+    assert pids["fault-segfault-fp32-train-cpu-torch"] != pids["fault-cuda-assert-bf16-true-train-cpu-torch"]
+    assert cells["fault-segfault-fp32-train-cpu-torch"]["outcome"] == "passed"
+
+
+def wait_for_cells(journal: Path, count: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if journal.exists() and journal.read_text().count('"event": "cell"') >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{journal}: fewer than {count} cells after {timeout} s")
+
+
+def test_sigterm_writes_the_cells_done_so_far_marked_incomplete(tmp_path):
+    command = [sys.executable, "-m", "matrix", "run", "-p", "fault_models", "--model", "fault-sleep", *CELLS]
+    command += ["--report-dir", str(tmp_path), "--run-id", "term"]
+    process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_cells(tmp_path / "term" / "cells.jsonl", 1)  # fp32 train is done; bf16-true train sleeps
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM
+    document = results(tmp_path / "term")
+    assert document["run"]["incomplete"] is True
+    assert by_id(document)["fault-sleep-fp32-train-cpu-torch"]["outcome"] == "passed"
+
+
+def test_a_killed_controller_loses_only_the_running_cell(tmp_path):
+    command = [sys.executable, "-m", "pytest", "cases", "-p", "fault_models", "--model", "fault-sleep", *CELLS]
+    command += ["--report-dir", str(tmp_path), "--run-id", "killed"]
+    process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_cells(tmp_path / "killed" / "cells.jsonl", 1)
+    time.sleep(0.5)  # into the sleeping cell
+    process.kill()
+    process.communicate(timeout=60)
+    assert not (tmp_path / "killed" / "results.json").exists()
+    fold = subprocess.run(
+        [sys.executable, "-m", "matrix", "fold", str(tmp_path / "killed")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fold.returncode == 0, fold.stderr
+    document = results(tmp_path / "killed")
+    cells = by_id(document)
+    assert document["run"]["incomplete"] is True
+    assert cells["fault-sleep-fp32-train-cpu-torch"]["outcome"] == "passed"
+    assert cells["fault-sleep-bf16-true-train-cpu-torch"]["phase"] == "crash"
+
+
+def test_two_runs_at_once_never_share_a_directory(tmp_path):
+    base = [sys.executable, "-m", "pytest", "cases", "--model", "tiny-llama", "--precision", "fp32", *CELLS[2:]]
+    both = [
+        subprocess.Popen(
+            [*base, "--report-dir", str(tmp_path)], cwd=ROOT, env=environment(), stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    for process in both:
+        process.communicate(timeout=300)
+        assert process.returncode == 0
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink())
+    assert len(runs) == 2 and all((run / "results.json").exists() for run in runs)
+    # the same --run-id twice: the second is refused before any cell runs, the first is untouched
+    first = subprocess.run([*base, "--report-dir", str(tmp_path), "--run-id", "same"], cwd=ROOT, env=environment())
+    before = (tmp_path / "same" / "results.json").read_bytes()
+    second = matrix_run(tmp_path, "--model", "tiny-llama", run_id="same")
+    assert first.returncode == 0 and second.returncode == 2
+    assert second.stderr.strip().count("\n") == 0 and "exists" in second.stderr
+    assert (tmp_path / "same" / "results.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "catalogue", "expected"),
+    [
+        (("--model", "tiny-lama"), None, "--model: unknown value 'tiny-lama'"),
+        (("--model", "tiny-llama", "--shard", "3/2"), None, "--shard: '3/2' is not K/N"),
+        (("--model", "tiny-llama", "--cuda-device", "first"), None, "--cuda-device: 'first'"),
+        (("--model", "tiny-llama"), "[entry.x\ntitle =", "not valid TOML"),
+        (("--model", "tiny-llama"), '[entry.x]\ntitle = "t"\n', "entry: must be an array of tables"),
+        (
+            ("--model", "tiny-llama"),
+            '[[entry]]\nid = "x"\ntitle = "t"\nkind = "bug"\nsignature = "x"\nworkaround = ""\n'
+            'cells = [{model = ["gpt"]}]\n',
+            "entry 'x': cells[0].model has unknown value 'gpt'",
+        ),
+        (
+            ("--model", "tiny-llama"),
+            '[[entry]]\nid = "x"\ntitle = "t"\nkind = "bug"\nsignature = "x"\nworkaround = ""\n'
+            'cells = [{}]\nversions = {torch = "2.*.*"}\n',
+            "versions.torch is not a PEP 440 specifier",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, catalogue, expected):
+    extra = ()
+    if catalogue is not None:
+        (tmp_path / "catalogue.toml").write_text(catalogue)
+        extra = ("--catalogue", str(tmp_path / "catalogue.toml"))
+    reports = tmp_path / "reports"
+    done = matrix_run(reports, *args, *extra)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    message = done.stderr.strip()
+    assert "Traceback" not in done.stderr and message.count("\n") == 0 and expected in message, message
+    assert not reports.exists() or not any(reports.iterdir())  # no partial output
+
+
+def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_path):
+    """The extension point (README, Adding a model kind), from a module outside this repository."""
+    (tmp_path / "downstream_kind.py").write_text(
+        "from torch import nn\n"
+        "from matrix.models import register\n"
+        "from matrix.models.tiny_transformer import TinyTransformer, NUM_CLASSES\n"
+        "from matrix.models import base\n"
+        "from matrix.variants import Variant\n\n"
+        "class Bag(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.bag = nn.EmbeddingBag(base.VOCAB_SIZE, Variant().hidden_size)\n"
+        "        self.head = nn.Linear(Variant().hidden_size, NUM_CLASSES)\n"
+        "    def forward(self, input_ids, padding_mask):\n"
+        "        return self.head(self.bag(input_ids))\n\n"
+        "class BagKind(TinyTransformer):\n"
+        "    name = 'downstream-bag'\n"
+        "    description = 'an EmbeddingBag classifier from another project'\n"
+        "    def create(self):\n"
+        "        return Bag()\n\n"
+        "register(BagKind())\n"
+    )
+    env = {**environment(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    command = [sys.executable, "-m", "matrix", "run", "-p", "downstream_kind", "--model", "downstream-bag"]
+    command += ["--precision", "fp32,bf16-mixed", "--device", "cpu", "--engine", "torch,accelerate,lightning"]
+    command += ["--report-dir", str(tmp_path / "reports"), "--run-id", "downstream"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    cells = by_id(results(tmp_path / "reports" / "downstream"))
+    assert len(cells) == 12  # 2 precisions x 2 modes x 3 engines
+    assert {c["engine"] for c in cells.values()} == {"torch", "accelerate", "lightning"}
+    assert cells["downstream-bag-fp32-train-cpu-torch"]["outcome"] == "passed"
+    assert cells["downstream-bag-fp32-train-cpu-torch"]["phases"]["checkpoint_reload"] == "passed"
