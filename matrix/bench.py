@@ -19,8 +19,9 @@ repeat an option, win):
 - the targets below, each met or missed, and by how much.
 
 The report (Markdown) goes to stdout; `--write` also writes it to BENCHMARKS.md, `--json FILE`
-writes the figures as JSON. The machine's other load is recorded (CPU time used by other
-processes during the bench, from /proc/stat), since it inflates every figure. Exit status 0
+writes the figures as JSON. The machine's other load is recorded per phase (CPU time used by
+other processes while the matrix runs, the imports and the per-cell runs, from /proc/stat): on a
+small machine one busy core elsewhere can slow the cells' compute many times over. Exit status 0
 whether targets are met or not; 2, with one line, when a run fails (a runner exit status other
 than 0 or 1, no results.json, a per-cell run that does not run its cell).
 """
@@ -45,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUNNER = "python -m matrix run"
 PYTEST_RUNNER = "python -m pytest cases"  # --runner pytest
 DEFAULT_SELECTION = ("--engine", "torch", "--device", "cpu")
+DEFAULT_REPEAT = 3
 # What a cell run imports before its first cell (conftest.py, cases/test_cells.py).
 STACK_MODULES = (
     "torch",
@@ -57,6 +59,7 @@ STACK_MODULES = (
     "matrix.models",
 )
 RUN_OK = (0, 1)  # pytest: all passed, or some cells failed; anything else is a broken run
+PHASES = {"matrix": "matrix runs", "import": "imports", "per_cell": "per-cell runs"}
 BUSY_SHARE_WARNING = 0.2  # other processes' average use of the CPU, in cores, worth a warning
 
 
@@ -271,6 +274,18 @@ def cpu_seconds() -> tuple[float | None, float]:
     return busy, own
 
 
+def watched(measure, *args):
+    """measure(*args), and the cores other processes kept busy meanwhile, on average (or None)."""
+    busy_before, own_before = cpu_seconds()
+    start = time.perf_counter()
+    result = measure(*args)
+    elapsed = time.perf_counter() - start
+    busy_after, own_after = cpu_seconds()
+    if busy_before is None or busy_after is None or elapsed <= 0:
+        return result, None
+    return result, max(0.0, (busy_after - busy_before) - (own_after - own_before)) / elapsed
+
+
 def machine() -> dict:
     from matrix import environment  # imports torch: only once the measurements are done
 
@@ -284,11 +299,13 @@ def machine() -> dict:
     }
 
 
-def bench_command(args: argparse.Namespace, extra: list[str]) -> str:
-    words = ["python", "-m", "matrix.bench"]
+def bench_arguments(args: argparse.Namespace, extra: list[str]) -> str:
+    """The arguments that reproduce this run (those that differ from the defaults)."""
+    words = []
     if args.runner != DEFAULT_RUNNER:
         words += ["--runner", args.runner]
-    words += ["--repeat", str(args.repeat)]
+    if args.repeat != DEFAULT_REPEAT:
+        words += ["--repeat", str(args.repeat)]
     if args.per_cell_sample is not None:
         words += ["--per-cell-sample", str(args.per_cell_sample)]
     return shlex.join(words + (["--", *extra] if extra else []))
@@ -309,7 +326,11 @@ def report_markdown(f: dict) -> str:
     else:
         per_cell_how = f"all {pc['cells_total']} cells measured"
     load = f["load"]
-    other = load["other_cpu_cores"]
+    other = load["other_cpu_cores"]  # phase -> cores, or None
+    busy = ", ".join(
+        f"{PHASES[phase]} {'unknown' if cores is None else f'{cores:.2f}'}" for phase, cores in other.items()
+    )
+    disturbed = [PHASES[phase] for phase, cores in other.items() if cores is not None and cores > BUSY_SHARE_WARNING]
     lines = [
         "# Benchmarks",
         "",
@@ -323,14 +344,12 @@ def report_markdown(f: dict) -> str:
         f"| Python | {m['python']} ({m['platform']}) |",
         f"| packages | {packages} |",
         f"| project commit | {commit} |",
-        f"| load average (1 min) | {load['before']:.2f} before, {load['after']:.2f} after |",
-        "| other processes' CPU use during the bench | "
-        + ("unknown" if other is None else f"{other:.2f} cores on average")
-        + " |",
+        f"| load average (1 min) | {load['before']:.2f} before, {load['after']:.2f} after (the bench adds about 1) |",
+        f"| cores other processes kept busy, on average | {busy} |",
         "",
     ]
-    if other is not None and other > BUSY_SHARE_WARNING:
-        lines += [f"⚠️ Other processes kept {other:.2f} cores busy on average: the timings are inflated.", ""]
+    if disturbed:
+        lines += [f"⚠️ Other processes were busy during the {', '.join(disturbed)}: those timings are inflated.", ""]
     lines += [
         "## Selection",
         "",
@@ -365,10 +384,9 @@ def report_markdown(f: dict) -> str:
         "",
         "## How to reproduce",
         "",
-        "`nox -s bench` (`python -m matrix.bench` in the project's environment), or this run exactly:",
-        "",
         "```",
-        f["command"],
+        f"nox -s bench -- {f['arguments']}" if f["arguments"] else "nox -s bench",
+        f"python -m matrix.bench {f['arguments']}".rstrip() + "   # the same, in an environment with the stack",
         "```",
         "",
     ]
@@ -395,7 +413,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=DEFAULT_RUNNER,
         help=f"the command that runs the matrix (default: {DEFAULT_RUNNER}); 'pytest' means python -m pytest cases",
     )
-    parser.add_argument("--repeat", type=positive_int, default=3, help="matrix runs and imports (default 3)")
+    parser.add_argument("--repeat", type=positive_int, default=DEFAULT_REPEAT, help="matrix runs and imports (3)")
     parser.add_argument(
         "--per-cell-sample", type=positive_int, metavar="K", help="run only K cells one per process, extrapolate"
     )
@@ -408,29 +426,24 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     pytest_args = [*DEFAULT_SELECTION, *extra]
     load_before = os.getloadavg()[0]
-    busy_before, own_before = cpu_seconds()
-    start = time.perf_counter()
+    other = {}
     try:
         runner = runner_command(args.runner)
         with tempfile.TemporaryDirectory(prefix="matrix-bench-") as reports:
-            runs = run_matrix(runner, pytest_args, args.repeat, Path(reports))
-        import_walls = measure_import(args.repeat)
-        per_cell = run_per_cell(runs[0]["cells"], pytest_args, args.per_cell_sample)
+            runs, other["matrix"] = watched(run_matrix, runner, pytest_args, args.repeat, Path(reports))
+        import_walls, other["import"] = watched(measure_import, args.repeat)
+        cells = runs[0]["cells"]
+        per_cell, other["per_cell"] = watched(run_per_cell, cells, pytest_args, args.per_cell_sample)
     except BenchError as error:
         print(f"python -m matrix.bench: {error}", file=sys.stderr)
         return 2
-    elapsed = time.perf_counter() - start
-    busy_after, own_after = cpu_seconds()
-    other = None
-    if busy_before is not None and busy_after is not None:
-        other = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / elapsed
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "load": {"before": load_before, "after": os.getloadavg()[0], "other_cpu_cores": other},
         "runner": PYTEST_RUNNER if args.runner == "pytest" else args.runner,
         "pytest_args": pytest_args,
-        "command": bench_command(args, extra),
+        "arguments": bench_arguments(args, extra),
     }
     result = figures(import_walls, runs, per_cell, meta)
     markdown = report_markdown(result)

@@ -76,19 +76,40 @@ class JournalState:
 
 def read(directory: Path) -> JournalState:
     """What the journal says so far. A torn last line (the writer died mid-line) is ignored."""
-    state = JournalState()
-    path = Path(directory) / JOURNAL
-    if not path.exists():
-        return state
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines):
+    tail = Tail(directory)
+    tail.update()
+    return tail.state
+
+
+class Tail:
+    """Follows a journal as it grows, parsing only the lines added since the last update (the
+    runner polls it several times a second; rereading a journal of large records would not be
+    free on a small machine)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / JOURNAL
+        self.state = JournalState()
+        self.offset = 0
+
+    def update(self) -> JournalState:
         try:
-            event = json.loads(line)
-        except ValueError:
-            if number == len(lines) - 1:
-                break
-            raise ValueError(f"{path}: line {number + 1}: not JSON") from None
-        kind = event.get("event")
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                chunk = file.read()
+        except FileNotFoundError:
+            return self.state
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for its end
+        self.offset += len(complete)
+        for line in complete.decode("utf-8").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{self.path}: a line is not JSON: {line[:80]!r}") from None
+            self.apply(event)
+        return self.state
+
+    def apply(self, event: dict) -> None:
+        state, kind = self.state, event.get("event")
         if kind == "run":
             state.run, state.environment = event["run"], event["environment"]
         elif kind == "start":
@@ -99,4 +120,3 @@ def read(directory: Path) -> JournalState:
             state.explorations.append(event["record"])
         elif kind == "restart":
             state.restarts.append(event["time"])
-    return state

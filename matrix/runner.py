@@ -40,7 +40,7 @@ PYTEST_INTERRUPTED = 2
 PYTEST_USAGE_ERROR = 4
 NO_TESTS_COLLECTED = 5  # a resumed process whose cells were all done already
 RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-# The slowest honest cell measured on a 2-core CPU takes 0.7 s (hf-trainer, gemma-cache); the
+# The slowest honest cell measured on a quiet 2-core CPU takes 0.7 s (hf-trainer, gemma-cache); the
 # first cuda cell of a process also pays CUDA's initialisation. 120 s leaves a wide margin.
 CELL_TIMEOUT_S = 120.0
 
@@ -163,11 +163,12 @@ class Supervisor:
     def watch(self) -> str | None:
         """Wait for the child; stop it when a cell overruns. Returns the overrunning cell's id."""
         limit = self.cell_timeout + grace_s(self.cell_timeout)
+        tail = journal.Tail(self.directory)
         while self.child.poll() is None:
             time.sleep(POLL_S)
             if self.stopping:
                 continue
-            running = journal.read(self.directory).in_flight()
+            running = tail.update().in_flight()
             overdue = [cell for cell, (started, _) in running.items() if time.time() - started > limit]
             if overdue:
                 # SIGABRT first: faulthandler writes every thread's stack, which says where it hung

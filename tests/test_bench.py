@@ -52,8 +52,9 @@ def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
 
     assert done.stdout.startswith("# Benchmarks")
     assert "extrapolated from 1 of 2 cells" in done.stdout
-    assert f["command"] in done.stdout
+    assert f"nox -s bench -- {f['arguments']}" in done.stdout
     assert f["machine"]["cpu_count"] == os.cpu_count() and f["machine"]["packages"]["torch"]
+    assert set(f["load"]["other_cpu_cores"]) == {"matrix", "import", "per_cell"}
     assert "matrix run 1/1:" in done.stderr and "per-cell 1/1:" in done.stderr  # progress
 
 
@@ -103,7 +104,7 @@ def test_the_wall_target_applies_only_to_the_whole_torch_cpu_matrix():
     assert bench.evaluate(target, 10.0, whole_torch_cpu_matrix=True)["met"] is True
 
 
-def hand_made(other_cpu_cores=0.05, whole=True, sample=4):
+def hand_made(per_cell_busy=0.05, whole=True, sample=4):
     runs = [
         {"wall_s": w, "exit_status": 0, "compute_s": c, "cells": [f"c{i}" for i in range(64)]}
         for w, c in ((22.0, 14.5), (20.0, 14.0), (21.0, 13.0))
@@ -121,10 +122,14 @@ def hand_made(other_cpu_cores=0.05, whole=True, sample=4):
             "packages": {"torch": "2.13.0+cpu", "peft": None},
             "git": {"commit": "0123456789abcdef", "dirty": True},
         },
-        "load": {"before": 0.1, "after": 1.0, "other_cpu_cores": other_cpu_cores},
+        "load": {
+            "before": 0.1,
+            "after": 1.0,
+            "other_cpu_cores": {"matrix": 0.01, "import": None, "per_cell": per_cell_busy},
+        },
         "runner": "python -m matrix run",
         "pytest_args": ["--engine", "torch", "--device", "cpu"],
-        "command": "python -m matrix.bench --repeat 3 --per-cell-sample 4",
+        "arguments": "--per-cell-sample 4",
     }
     return bench.figures([4.2, 4.0, 3.9], runs, per_cell, meta)
 
@@ -148,7 +153,8 @@ def test_the_markdown_report_shows_every_figure():
         "| CPU | Test CPU, 2 cores |",
         "| packages | torch 2.13.0+cpu |",
         "| project commit | 0123456789ab (uncommitted changes) |",
-        "| load average (1 min) | 0.10 before, 1.00 after |",
+        "| load average (1 min) | 0.10 before, 1.00 after (the bench adds about 1) |",
+        "| cores other processes kept busy, on average | matrix runs 0.01, imports unknown, per-cell runs 0.05 |",
         "`python -m matrix run --engine torch --device cpu`: 64 cells (40 passed, 24 known).",
         "| matrix wall, each run | 22.0 s, 20.0 s, 21.0 s |",
         "| matrix wall, median (min) | 21.0 s (20.0 s) |",
@@ -160,18 +166,19 @@ def test_the_markdown_report_shows_every_figure():
         "| speed-up = process-per-cell / wall | 18.3x |",
         "| torch-engine CPU matrix wall (median) | < 30.0 s | 21.0 s | ✅ met by 9.0 s (30% under the limit) |",
         "| overhead ratio (matrix wall / floor) | < 1.50 | 1.17 | ✅ met by 0.33 (22% under the limit) |",
-        "python -m matrix.bench --repeat 3 --per-cell-sample 4",
+        "nox -s bench -- --per-cell-sample 4",
+        "python -m matrix.bench --per-cell-sample 4   # the same, in an environment with the stack",
     ):
         assert expected in lines, expected
     assert "⚠️" not in text
 
 
 def test_the_report_warns_of_a_busy_machine_and_marks_missed_targets():
-    f = hand_made(other_cpu_cores=0.9, sample=1)
+    f = hand_made(per_cell_busy=0.9, sample=1)
     f["per_cell"] = bench.per_cell_figures(64, ["c32"], [1.0])
     f["targets"][2] = bench.evaluate(bench.TARGETS[2], 64 / 21.0, whole_torch_cpu_matrix=True)
     text = bench.report_markdown(f)
-    assert "⚠️ Other processes kept 0.90 cores busy on average: the timings are inflated." in text
+    assert "⚠️ Other processes were busy during the per-cell runs: those timings are inflated." in text
     missed = "| speed-up over process-per-cell | >= 5.00x | 3.05x | ❌ missed by 1.95x (39% short of the minimum) |"
     assert missed in text
     assert "extrapolated from 1 of 64 cells" in text
@@ -198,7 +205,8 @@ def test_spread_runner_and_arguments():
     args, extra = bench.parse_args(["--repeat", "2", "--", "--model", "lora", "-k", "eval"])
     assert (args.repeat, args.runner, args.per_cell_sample, extra) == (2, "python -m matrix run", None, extra)
     assert extra == ["--model", "lora", "-k", "eval"]
-    assert bench.bench_command(args, extra) == "python -m matrix.bench --repeat 2 -- --model lora -k eval"
+    assert bench.bench_arguments(args, extra) == "--repeat 2 -- --model lora -k eval"
+    assert bench.bench_arguments(*bench.parse_args([])) == ""
 
 
 def test_the_one_line_names_what_went_wrong():

@@ -1,0 +1,38 @@
+"""The run journal: what a reader sees while it grows, and after its writer died mid-line."""
+
+from matrix import journal
+
+AXES = {"model": "lora", "precision": "fp32", "mode": "eval", "device": "cpu", "engine": "torch"}
+CELL = "lora-fp32-eval-cpu-torch"
+
+
+def test_a_started_cell_without_a_record_is_in_flight(tmp_path):
+    log = journal.Journal(tmp_path)
+    log.header({"id": "r"}, {"cpu": "x"})
+    log.started(AXES)
+    tail = journal.Tail(tmp_path)
+    assert list(tail.update().in_flight()) == [CELL]
+    log.cell({"id": CELL, "outcome": "passed", "metrics": {"loss": float("nan")}})
+    state = tail.update()  # only the new line is read
+    assert state.in_flight() == {} and state.records[CELL]["metrics"]["loss"] == "nan"
+    assert journal.read(tmp_path).records == state.records
+
+
+def test_a_torn_last_line_waits_for_its_end(tmp_path):
+    log = journal.Journal(tmp_path)
+    log.header({"id": "r"}, {})
+    log.started(AXES)
+    log.close()
+    with open(tmp_path / journal.JOURNAL, "a") as file:
+        file.write('{"event": "cell", "record": {"id": "lora-fp3')  # the writer died here
+    tail = journal.Tail(tmp_path)
+    assert list(tail.update().in_flight()) == [CELL]
+    with open(tmp_path / journal.JOURNAL, "a") as file:
+        file.write('2-eval-cpu-torch"}}\n')
+    assert tail.update().in_flight() == {}
+
+
+def test_a_restart_request_is_seen(tmp_path):
+    log = journal.Journal(tmp_path)
+    log.write("restart", reason="cuda context lost")
+    assert len(journal.read(tmp_path).restarts) == 1
