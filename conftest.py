@@ -43,11 +43,11 @@ from matrix.cells import (
 from matrix.devices import resolve_cuda_index, skip_reason
 from matrix.engines import ENGINES
 from matrix.precisions import PRECISIONS
-from matrix.runner import CELL_TIMEOUT_S
+from matrix.results_file import AXES
+from matrix.runner import CELL_TIMEOUT_S, COMMAND_VARIABLE
 
 transformers.utils.logging.disable_progress_bar()
 
-AXES = ("model", "precision", "mode", "device", "engine")
 AXES_PROPERTY = "matrix_cell"
 RESULT_PROPERTY = "matrix_result"
 EXPLORATION_PROPERTY = "matrix_exploration"
@@ -257,13 +257,6 @@ def matrix_item_id(item) -> str | None:
     return target.id if getattr(item, "originalname", None) == "test_explore" and isinstance(target, Cell) else None
 
 
-def matrix_id_of_nodeid(nodeid: str) -> str | None:
-    for test in ("::test_cell[", "::test_explore["):
-        if test in nodeid and nodeid.endswith("]"):
-            return nodeid.split(test, 1)[1][:-1]
-    return None
-
-
 def resumed_done(config) -> set[str]:
     """With --matrix-resume: the cells and targets the run's journal already has."""
     if not config.getoption("matrix_resume"):
@@ -337,6 +330,8 @@ def rerun_command(config, cell: Cell) -> str:
 
 
 def invocation() -> str:
+    if os.environ.get(COMMAND_VARIABLE):  # started by python -m matrix run
+        return os.environ[COMMAND_VARIABLE]
     program = Path(sys.argv[0]).name
     program = "python -m pytest" if program == "__main__.py" else program
     return " ".join([program, *map(shlex.quote, sys.argv[1:])])
@@ -367,7 +362,7 @@ class Recorder:
         self.reports_root = reports_root
         self.resume = config.getoption("matrix_resume")
         try:
-            self.run_id = matrix_report.check_run_id(run_id) if run_id else matrix_report.new_run_id()
+            self.run_id = journal.check_run_id(run_id) if run_id else journal.new_run_id()
         except ValueError as error:
             raise pytest.UsageError(f"--run-id: {error}") from None
         self.directory = reports_root / self.run_id
@@ -425,7 +420,8 @@ class Recorder:
         """Under xdist the workers collect: their node ids say what this run selected."""
         if self.journal is None:
             done = set(self.records) | {e["target"] for e in self.explorations}
-            self.selected = {matrix_id_of_nodeid(nodeid) for nodeid in ids} - {None} | done
+            matrix_ids = {cell_id_from_nodeid(n) or cell_id_from_nodeid(n, "test_explore") for n in ids}
+            self.selected = matrix_ids - {None} | done
             self.open_journal()
 
     def pytest_collection_finish(self, session):
@@ -449,7 +445,7 @@ class Recorder:
         if cell is None and "::test_cell[" in nodeid:  # under xdist the controller has no items
             cell = cell_from_id(cell_id_from_nodeid(nodeid) or "")
         if cell is not None:
-            self.journal.started(cell.axes())
+            self.journal.started(cell.id, cell.axes())
 
     def store(self, record: dict) -> None:
         self.records[record["id"]] = record
@@ -480,7 +476,7 @@ class Recorder:
                 if self.journal is not None:
                     self.journal.exploration(properties[EXPLORATION_PROPERTY])
             return
-        target_id = report.nodeid.split("::test_explore[", 1)[1][:-1] if "::test_explore[" in report.nodeid else None
+        target_id = cell_id_from_nodeid(report.nodeid, "test_explore")
         if target_id is not None:
             cell = cell_from_id(target_id)
             if report.skipped and cell is not None:

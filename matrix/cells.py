@@ -99,7 +99,9 @@ def cell_from_id(cell_id: str) -> Cell | None:
     return next((cell for cell in every if cell.id == cell_id), None)
 
 
-def cell_id_from_nodeid(nodeid: str) -> str | None:
-    if "::test_cell[" not in nodeid or not nodeid.endswith("]"):
+def cell_id_from_nodeid(nodeid: str, test: str = "test_cell") -> str | None:
+    """The cell id in a node id such as cases/test_cells.py::test_cell[<id>] (or test_explore[<id>])."""
+    marker = f"::{test}["
+    if marker not in nodeid or not nodeid.endswith("]"):
         return None
-    return nodeid.split("::test_cell[", 1)[1][:-1]
+    return nodeid.split(marker, 1)[1][:-1]

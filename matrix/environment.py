@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -31,6 +32,7 @@ def package_versions() -> dict[str, str | None]:
     return installed_versions(PACKAGES)
 
 
+@functools.cache
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

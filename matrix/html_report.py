@@ -17,8 +17,8 @@ import json
 import re
 from urllib.parse import quote, urlsplit
 
-OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
-AXES = ("model", "precision", "mode", "device", "engine")
+from matrix.results_file import AXES, OUTCOMES, known_failure_keys
+
 UPSTREAM_REFERENCE = re.compile(r"([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#([0-9]+)")  # owner/repo#123
 
 CSS = """
@@ -419,7 +419,7 @@ def environment_section(document: dict) -> str:
 
 def html_report(document: dict) -> str:
     """The page for one results.json document, as a string (UTF-8 when written)."""
-    known_keys = {entry_id: f"K{n + 1}" for n, entry_id in enumerate(document.get("known_failures") or {})}
+    known_keys = known_failure_keys(document)
     details = "".join(cell_detail(cell, known_keys) for cell in document["cells"])
     body = "".join(
         [

@@ -12,12 +12,25 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 JOURNAL = "cells.jsonl"
-AXES = ("model", "precision", "mode", "device", "engine")
+RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def new_run_id() -> str:
+    """UTC time and a random suffix: sorts by time, and two runs started together differ."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names a directory: letters, digits, '.', '_', '-' only, not hidden, not 'latest'."""
+    if not run_id or not set(run_id) <= RUN_ID_CHARACTERS or run_id.startswith(".") or run_id == "latest":
+        raise ValueError(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-'; not 'latest')")
+    return run_id
 
 
 def json_safe(value):
@@ -46,9 +59,9 @@ class Journal:
     def header(self, run: dict, environment: dict) -> None:
         self.write("run", run=run, environment=environment, pid=os.getpid())
 
-    def started(self, axes: dict) -> None:
-        """A cell begins: its axes, so a reader without its model kind registered can name it."""
-        self.write("start", cell="-".join(axes[a] for a in AXES), axes=axes, pid=os.getpid())
+    def started(self, cell_id: str, axes: dict) -> None:
+        """A cell begins: its axes too, so a reader without its model kind registered can name it."""
+        self.write("start", cell=cell_id, axes=axes, pid=os.getpid())
 
     def cell(self, record: dict) -> None:
         self.write("cell", record=record)

@@ -14,10 +14,10 @@ import re
 import time
 from pathlib import Path
 
-from matrix import report
-from matrix.cells import SelectionError, parse_shard
+from matrix import journal, report
+from matrix.cells import Cell, SelectionError, parse_shard
 from matrix.compare import STACK_PACKAGES
-from matrix.results_file import load
+from matrix.results_file import AXES, load
 
 
 class MergeError(ValueError):
@@ -92,7 +92,7 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
             record = {"cuda_index": None, "device_name": None, "rerun": None, **cell}
             if cell["device"] in split and _hardware(cell, document):
                 record["device"] = f"{cell['device']}-{slug(_hardware(cell, document))}"
-                record["id"] = "-".join(record[axis] for axis in ("model", "precision", "mode", "device", "engine"))
+                record["id"] = Cell(**{axis: record[axis] for axis in AXES}).id
             if record["id"] in records:
                 raise MergeError(
                     f"cell {record['id']} is in both {records[record['id']][1]} and {file}; shards must not overlap"
@@ -106,7 +106,7 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
         selection[axis] = [value for value in values if value in chosen]
     now = time.time()
     run = {
-        "id": run_id or report.new_run_id(),
+        "id": run_id or journal.new_run_id(),
         "command": "python -m matrix merge " + " ".join(str(path) for path in paths),
         "started_at": min(run.get("started_at") or "" for run in runs),
         "finished_at": max(run.get("finished_at") or "" for run in runs),

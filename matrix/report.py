@@ -22,11 +22,8 @@ from matrix.html_report import html_report
 from matrix.journal import json_safe
 from matrix.phases import CellResult
 from matrix.precisions import PRECISIONS
-from matrix.runner import RUN_ID_CHARACTERS
+from matrix.results_file import OUTCOMES, known_failure_keys
 from matrix.signatures import Signature, signature_of_crash
-
-OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
-
 
 # ------------------------------------------------------------------ records
 
@@ -190,17 +187,6 @@ def crash_origin(stacks: str) -> str:
     return "<process>"
 
 
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-def check_run_id(run_id: str) -> str:
-    """A run id names a directory: letters, digits, '.', '_', '-' only, not 'latest'."""
-    if not run_id or not set(run_id) <= RUN_ID_CHARACTERS or run_id.startswith(".") or run_id == "latest":
-        raise ValueError(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-'; not 'latest')")
-    return run_id
-
-
 # ------------------------------------------------------------------ results.json
 
 
@@ -312,7 +298,7 @@ def summary_markdown(document: dict) -> str:
     if run.get("incomplete"):
         lines.append("- **incomplete run:** not every selected cell reported")
 
-    known_keys = {entry_id: f"K{n + 1}" for n, entry_id in enumerate(document["known_failures"])}
+    known_keys = known_failure_keys(document)
     fixed = [c for c in cells if c["outcome"] == "fixed"]
     if fixed:
         lines += ["", "## Fixed: the catalogue says these fail, but they pass (narrow the entries)", ""]

@@ -14,8 +14,10 @@ from pathlib import Path
 from matrix import SCHEMA_VERSION
 
 READABLE_SCHEMA_VERSIONS = (3, SCHEMA_VERSION)  # 4 added per-cell placement and rerun, shards
+# What every cell record holds: its axes (matrix/cells.py Cell) and one of the outcomes.
+AXES = ("model", "precision", "mode", "device", "engine")
 OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
-CELL_FIELDS = ("id", "model", "precision", "mode", "device", "engine", "outcome", "signature", "metrics")
+CELL_FIELDS = ("id", *AXES, "outcome", "signature", "metrics")
 
 
 class ResultsError(ValueError):
@@ -94,3 +96,8 @@ def check(document, file: Path) -> None:
             fail(f"{where}.known_failure", f"a {cell['outcome']} cell needs its catalogue entry")
         if not isinstance(cell["metrics"], dict):
             fail(f"{where}.metrics", "not an object")
+
+
+def known_failure_keys(document: dict) -> dict[str, str]:
+    """Catalogue entry id -> its short key in a report (K1, K2, ...), in the document's order."""
+    return {entry_id: f"K{n + 1}" for n, entry_id in enumerate(document.get("known_failures") or {})}

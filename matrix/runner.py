@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -36,10 +37,10 @@ def grace_s(cell_timeout: float) -> float:
 ABORT_WAIT_S = 10.0  # after SIGABRT (faulthandler writes the stacks), before SIGKILL
 POLL_S = 0.2
 MAX_RESTARTS = 1000  # one per crashed cell; a bound in case a process dies before any cell
+COMMAND_VARIABLE = "MATRIX_RUN_COMMAND"
 PYTEST_INTERRUPTED = 2
 PYTEST_USAGE_ERROR = 4
 NO_TESTS_COLLECTED = 5  # a resumed process whose cells were all done already
-RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 # The slowest honest cell measured on a quiet 2-core CPU takes 0.7 s (hf-trainer, gemma-cache); the
 # first cuda cell of a process also pays CUDA's initialisation. 120 s leaves a wide margin.
 CELL_TIMEOUT_S = 120.0
@@ -69,8 +70,10 @@ def check_input(options: argparse.Namespace) -> None:
     """What the supervisor itself relies on. The rest (axis values, --shard, --cuda-device, the
     catalogue) pytest checks as a usage error before any cell runs, which this maps to 2."""
     if options.run_id is not None:
-        if not options.run_id or not set(options.run_id) <= RUN_ID_CHARACTERS or options.run_id in (".", ".."):
-            raise InputError(f"--run-id: {options.run_id!r} is not a run id (letters, digits, '.', '_', '-')")
+        try:
+            journal.check_run_id(options.run_id)
+        except ValueError as error:
+            raise InputError(f"--run-id: {error}") from None
     if options.cell_timeout is not None and not options.cell_timeout > 0:
         raise InputError(f"--cell-timeout: {options.cell_timeout:g} is not a positive number of seconds")
     if options.no_report:
@@ -221,11 +224,13 @@ def main(argv: list[str]) -> int:
         print(f"python -m matrix run: {error}", file=sys.stderr)
         return 2
     reports_root = Path(options.report_dir) if options.report_dir else ROOT / "reports"
-    run_id = options.run_id or time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + os.urandom(3).hex()
+    run_id = options.run_id or journal.new_run_id()
     if (reports_root / run_id).exists():
         print(f"python -m matrix run: --run-id: {reports_root / run_id} exists; never written into", file=sys.stderr)
         return 2
     if not any(arg.startswith("cases") or arg.startswith("tests") for arg in pytest_args):
         pytest_args = ["cases", *pytest_args]
     timeout = options.cell_timeout or CELL_TIMEOUT_S
+    # the report records the command the user typed, not the pytest process started for it
+    os.environ[COMMAND_VARIABLE] = shlex.join(["python", "-m", "matrix", "run", *argv])
     return Supervisor(pytest_args, reports_root, run_id, timeout).run()

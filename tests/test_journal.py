@@ -9,7 +9,7 @@ CELL = "lora-fp32-eval-cpu-torch"
 def test_a_started_cell_without_a_record_is_in_flight(tmp_path):
     log = journal.Journal(tmp_path)
     log.header({"id": "r"}, {"cpu": "x"})
-    log.started(AXES)
+    log.started(CELL, AXES)
     tail = journal.Tail(tmp_path)
     assert list(tail.update().in_flight()) == [CELL]
     log.cell({"id": CELL, "outcome": "passed", "metrics": {"loss": float("nan")}})
@@ -21,7 +21,7 @@ def test_a_started_cell_without_a_record_is_in_flight(tmp_path):
 def test_a_torn_last_line_waits_for_its_end(tmp_path):
     log = journal.Journal(tmp_path)
     log.header({"id": "r"}, {})
-    log.started(AXES)
+    log.started(CELL, AXES)
     log.close()
     with open(tmp_path / journal.JOURNAL, "a") as file:
         file.write('{"event": "cell", "record": {"id": "lora-fp3')  # the writer died here

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import report
+from matrix import journal, report
 from matrix.cells import Cell
 from matrix.signatures import Signature
 
@@ -116,7 +116,7 @@ def test_metrics_stay_strict_json(value):
 
 
 def test_run_ids_are_unique():
-    assert len({report.new_run_id() for _ in range(200)}) == 200
+    assert len({journal.new_run_id() for _ in range(200)}) == 200
 
 
 def test_summary_says_which_gpu_the_cuda_cells_ran_on():

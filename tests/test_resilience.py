@@ -242,3 +242,10 @@ def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_
     assert {c["engine"] for c in cells.values()} == {"torch", "accelerate", "lightning"}
     assert cells["downstream-bag-fp32-train-cpu-torch"]["outcome"] == "passed"
     assert cells["downstream-bag-fp32-train-cpu-torch"]["phases"]["checkpoint_reload"] == "passed"
+
+
+def test_the_report_records_the_command_the_user_typed(tmp_path):
+    done = matrix_run(tmp_path, "--model", "fault-abort", "--mode", "eval")
+    assert done.returncode == 1, done.stderr[-2000:]
+    command = results(tmp_path / "run")["run"]["command"]
+    assert command.startswith("python -m matrix run -p fault_models "), command
