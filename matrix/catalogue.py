@@ -21,10 +21,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from matrix.cells import Cell, axis_values
+from matrix.cells import Cell, axis_values, model_traits, trait_names
 
 CATALOGUE_FILE = Path(__file__).with_name("known_failures.toml")
 KINDS = ("bug", "intended")
+TRAIT_KEY = "trait"  # a selector key beside the axes: {trait = ["full-weights"]} (models/base.py TRAITS)
 
 
 class CatalogueError(ValueError):
@@ -50,9 +51,15 @@ class Entry:
         owner_repo, number = self.upstream[0].split("#")
         return f"https://github.com/{owner_repo}/issues/{number}"
 
-    def selects(self, cell: Cell) -> bool:
-        axes = cell.axes()
-        return any(all(axes[axis] in values for axis, values in s.items()) for s in self.selectors)
+    def selects(self, cell: Cell, traits: frozenset[str] | None = None) -> bool:
+        """Whether a selector matches the cell's axes and, where it names traits, one of the
+        cell's model traits (default: those its registered kind declares)."""
+        axes = {**cell.axes(), TRAIT_KEY: None}
+        traits = model_traits(cell.model) if traits is None else traits
+        return any(
+            all((values & traits) if axis == TRAIT_KEY else axes[axis] in values for axis, values in s.items())
+            for s in self.selectors
+        )
 
     def versions_hold(self, installed: dict[str, str | None]) -> bool:
         for package, specifiers in self.versions.items():
@@ -91,7 +98,7 @@ def _fail(path: Path, where: str, problem: str) -> CatalogueError:
 
 
 def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...]] | None = None) -> Catalogue:
-    axes = axes or axis_values()
+    axes = {**(axes or axis_values()), TRAIT_KEY: trait_names()}
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:

@@ -27,6 +27,20 @@ class Cell:
         return asdict(self)
 
 
+def model_traits(model: str) -> frozenset[str]:
+    """The traits a registered model kind declares (matrix/models/base.py TRAITS); none for a
+    model name no kind is registered under (a report from another project, say)."""
+    from matrix.models import MODELS
+
+    return MODELS[model].traits if model in MODELS else frozenset()
+
+
+def trait_names() -> tuple[str, ...]:
+    from matrix.models.base import TRAITS
+
+    return tuple(TRAITS)
+
+
 class SelectionError(ValueError):
     """A selection names a value that no axis has."""
 

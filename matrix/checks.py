@@ -47,6 +47,11 @@ class EngineDisagreement(CheckFailure):
     pass
 
 
+class PlacementChanged(CheckFailure):
+    """The model is no longer (wholly) on the cell's device: placement is part of a cell's
+    contract, like its dtypes."""
+
+
 def check_finite_loss(loss: torch.Tensor, what: str) -> float:
     value = loss.detach().float().item()
     if not math.isfinite(value):
@@ -105,6 +110,24 @@ def tensor_dtypes(model) -> dict[str, torch.dtype]:
     found = {f"parameter {name}": p.dtype for name, p in model.named_parameters()}
     found.update({f"buffer {name}": b.dtype for name, b in model.named_buffers()})
     return found
+
+
+def tensor_devices(model) -> dict[str, str]:
+    """Parameter and buffer name -> the device it is on (as str(torch.device))."""
+    found = {f"parameter {name}": str(p.device) for name, p in model.named_parameters()}
+    found.update({f"buffer {name}": str(b.device) for name, b in model.named_buffers()})
+    return found
+
+
+def check_placement(model, device: torch.device, when: str) -> None:
+    """Every parameter and buffer is on the cell's device."""
+    elsewhere = {name: found for name, found in tensor_devices(model).items() if found != str(device)}
+    if elsewhere:
+        name, found = next(iter(elsewhere.items()))
+        raise PlacementChanged(
+            f"{when}: the model is on {found}, not on the cell's device {device}",
+            details=f"{len(elsewhere)} tensors elsewhere, first {name}",
+        )
 
 
 def check_same_dtypes(before: dict[str, torch.dtype], model, what: str) -> None:

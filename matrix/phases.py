@@ -179,6 +179,7 @@ def check_against_fp32(state: CellState, result, label: str, model=None) -> None
             "fp32_tolerance": tolerance.as_dict(),
             "eval_logits_dtype": dtype_name(result.logits.dtype),
             **({"eval_" + k: v for k, v in result.extras.items()}),
+            **position_deviations(result.logits, reference.logits, state.batch.get("attention_mask")),
         }
     )
     if result.generated is not None:
@@ -187,6 +188,24 @@ def check_against_fp32(state: CellState, result, label: str, model=None) -> None
             result.generated, reference.generated
         )
     checks.check_within_tolerance(f"{label} loss", value, ref_value, tolerance)
+
+
+def position_deviations(logits: torch.Tensor, reference: torch.Tensor, attention_mask) -> dict:
+    """Largest |logit - fp32 logit| at real and at pad positions (attention mask 0).
+
+    No label is predicted from a pad position (models/causal_lm.py next_token_targets), so
+    the pad positions' outputs never reach a loss or a check. They are recorded because what
+    an attention kernel returns for a fully masked row differs between kernels and dtypes
+    (SDPA on CUDA in half precision, docs/GPU.md): a finding to see, not a failure.
+    """
+    if attention_mask is None or logits.shape[:2] != attention_mask.shape or reference.shape != logits.shape:
+        return {}
+    difference = (logits.detach().float() - reference.detach().float()).abs().amax(dim=-1)
+    pad = attention_mask == 0
+    return {
+        "real_position_logits_max_abs_deviation": difference[~pad].max().item(),
+        "pad_position_logits_max_abs_deviation": difference[pad].max().item() if pad.any() else None,
+    }
 
 
 def train_until_applied(state: CellState, step, steps: int) -> list[float]:
@@ -265,12 +284,32 @@ def same_weights_copy(state: CellState, model):
     return copy_
 
 
+def return_from_library_device(state: CellState, model, library_device: torch.device, by: str, when: str) -> None:
+    """Undo the one move a library is known to make when it finishes, record it, and check
+    that the model is back on the cell's device.
+
+    Lightning's strategy teardown, at the end of fit() and validate(), moves the
+    LightningModule (and its optimizer state) to the CPU. A cell on another device gets its
+    model back there, with `placement_restored` in its metrics saying who moved it. Any other
+    placement is a PlacementChanged failure `when` the library returned.
+    """
+    found = sorted(set(checks.tensor_devices(model).values()))
+    if library_device != state.device and found == [str(library_device)]:
+        model.to(state.device)
+        state.metrics.setdefault("placement_restored", []).append(
+            {"after": when, "by": by, "found_on": str(library_device), "moved_back_to": str(state.device)}
+        )
+    checks.check_placement(model, state.device, f"after {when}")
+
+
 def snapshot_trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def check_training_contract(state: CellState, model, trainable_before, dtypes_before) -> None:
-    """After training: parameters changed, stayed finite, kept their dtypes and the precision's."""
+    """After training: still on the cell's device; parameters changed, stayed finite, kept
+    their dtypes and the precision's."""
+    checks.check_placement(model, state.device, "after training")
     checks.check_finite_parameters(list(model.named_parameters()), "after training")
     checks.check_parameters_changed(trainable_before, model)
     checks.check_same_dtypes(dtypes_before, model, "after training")
@@ -348,6 +387,8 @@ def run_cell(
         for name in names:
             try:
                 phases[name](state)
+                if state.model is not None:  # an engine hands the model back where the cell runs it
+                    checks.check_placement(state.model, state.device, f"after {name}")
             except Exception as exc:  # recorded: signature, message and full traceback
                 failed = getattr(exc, "matrix_phase", None) or name
                 if failed not in names[names.index(name) :]:

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from xml.etree import ElementTree
 
-from matrix import SCHEMA_VERSION, devices
+from matrix import SCHEMA_VERSION, crash_dump, devices
 from matrix.cells import Cell
 from matrix.environment import cpu_name
 from matrix.html_report import html_report
@@ -150,7 +150,7 @@ def timeout_record(cell: Cell, timeout_s: float, stacks: str) -> dict:
     record.update(
         phase="timeout",
         signature=signature.as_dict(),
-        message=f"stopped after {timeout_s:g} s\n{stacks[-6000:]}",
+        message=f"stopped after {timeout_s:g} s\n{crash_dump.condense(stacks)}",
         duration_s=float(timeout_s),
     )
     return record
@@ -159,32 +159,14 @@ def timeout_record(cell: Cell, timeout_s: float, stacks: str) -> dict:
 def crash_record(cell: Cell, cause: str, stacks: str, duration_s: float) -> dict:
     """A cell whose process died: `cause` names the signal (SIGSEGV) or the exit status."""
     record = _base_record(cell, "failed")
-    signature = Signature("crash", "ProcessDied", cause, crash_origin(stacks))
+    signature = Signature("crash", "ProcessDied", cause, crash_dump.crash_origin(stacks))
     record.update(
         phase="crash",
         signature=signature.as_dict(),
-        message=f"the process running this cell died: {cause}\n{stacks[-6000:]}",
+        message=f"the process running this cell died: {cause}\n{crash_dump.condense(stacks)}",
         duration_s=round(duration_s, 4),
     )
     return record
-
-
-def crash_origin(stacks: str) -> str:
-    """The innermost frame of the thread that crashed, in a faulthandler dump, as module:function."""
-    lines = stacks.splitlines()
-    current = next((n for n, line in enumerate(lines) if line.startswith("Current thread")), 0)
-    for line in lines[current:]:
-        line = line.strip()
-        if line.startswith('File "') and " in " in line:
-            path, function = Path(line[len('File "') :].split('"', 1)[0]), line.rsplit(" in ", 1)[1]
-            parts = path.with_suffix("").parts
-            packages = [n for n, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
-            if packages:
-                module = ".".join(parts[packages[-1] + 1 :])
-            else:  # the standard library or a file of one's own: the file (its package for __init__)
-                module = parts[-2] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1]
-            return f"{module.removesuffix('.__init__')}:{function}"
-    return "<process>"
 
 
 # ------------------------------------------------------------------ results.json
@@ -239,6 +221,25 @@ def results_document(
 
 def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def grouped(cells: list[dict], key) -> dict[str, list[dict]]:
+    """Cells by key, the largest group first (then by key): a nightly reader sees the problems,
+    not one line per cell."""
+    groups: dict[str, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault(key(cell), []).append(cell)
+    return dict(sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])))
+
+
+def _cells(count: int) -> str:
+    return f"**{count} cell{'s' if count != 1 else ''}**"
+
+
+def folded_cells(line: str, cells: list[dict]) -> list[str]:
+    """One list item, with its cells folded below it (a <details> block, as GitHub renders)."""
+    ids = ", ".join(f"`{c['id']}`" for c in cells)
+    return [line, "  <details><summary>cells</summary>", "", f"  {ids}", "", "  </details>"]
 
 
 def ran_as_note(cell: dict) -> str:
@@ -302,11 +303,17 @@ def summary_markdown(document: dict) -> str:
     fixed = [c for c in cells if c["outcome"] == "fixed"]
     if fixed:
         lines += ["", "## Fixed: the catalogue says these fail, but they pass (narrow the entries)", ""]
-        lines += [f"- `{c['id']}`: entry `{c['known_failure']['id']}`" for c in fixed]
+        by_entry = grouped(fixed, lambda c: c["known_failure"]["id"])
+        lines += [f"{len(fixed)} cells, {len(by_entry)} entries:", ""]
+        for entry_id, group in by_entry.items():
+            lines += folded_cells(f"- entry `{entry_id}`: {_cells(len(group))}", group)
     new = [c for c in cells if c["outcome"] == "failed"]
     if new:
         lines += ["", "## New failures (no catalogue entry explains them)", ""]
-        lines += [f"- `{c['id']}`: `{c['signature']['id']}` {_md(c['signature']['text'])}" for c in new]
+        by_signature = grouped(new, lambda c: c["signature"]["id"])
+        lines += [f"{len(new)} cells, {len(by_signature)} signatures:", ""]
+        for sig_id, group in by_signature.items():
+            lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
 
     skip_reasons: dict[str, str] = {}
     for device, mode in sorted(

@@ -26,8 +26,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def run_pytest(tmp_path):
     """Run the matrix in a fresh pytest process, as a user would, with the test plugins."""
 
-    def run(*args: str, report_dir: Path | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+    def run(*args: str, report_dir: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
         env.pop("PYTEST_ADDOPTS", None)
         command = [
             sys.executable,

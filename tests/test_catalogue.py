@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import catalogue
+from matrix import catalogue, environment
 from matrix.cells import Cell
+from matrix.models import MODELS
+from matrix.models.tiny_transformer import TinyTransformer
+from matrix.phases import run_cell
 
 ENTRY = """
 [[entry]]
@@ -156,7 +159,8 @@ def test_known_fixed_and_new_failures_in_a_real_run(run_pytest, tmp_path):
     assert "1 xfailed" in done.stdout and "1 xpassed" in done.stdout
     summary = (tmp_path / "reports" / "latest" / "summary.md").read_text()
     assert "**1 new failures, 1 fixed, 1 known failures" in summary
-    assert "`broken-matmul-fp32-train-cpu-torch`: entry `claims-fp32-fails`" in summary
+    fixed = summary.split("## Fixed")[1].split("##")[0]
+    assert "- entry `claims-fp32-fails`: **1 cell**" in fixed and "`broken-matmul-fp32-train-cpu-torch`" in fixed
 
     strict = run_pytest(*args, "--precision", "fp32,bf16-mixed", "--strict-known", report_dir=tmp_path / "strict")
     assert strict.returncode == 1 and "XPASS(strict)" in strict.stdout
@@ -171,3 +175,86 @@ def test_a_malformed_catalogue_is_a_usage_error(run_pytest, tmp_path):
     assert done.returncode == 4
     assert f"--catalogue: {path}: entry 'demo': cells[0].device has unknown value 'tpu'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+TRAIT_ENTRY = ENTRY.replace('model = ["tiny-transformer"], ', 'trait = ["full-weights"], ')
+
+
+def test_a_trait_selector_matches_the_kinds_that_declare_the_trait():
+    (entry,) = catalogue.parse(TRAIT_ENTRY).entries
+    cell = Cell("a-users-model", "bf16-mixed", "eval", "cpu", "torch")
+    assert entry.selects(cell, traits=frozenset({"full-weights"}))
+    assert not entry.selects(cell, traits=frozenset({"adapters"}))
+    assert not entry.selects(cell)  # no kind is registered under that name: it has no traits
+    assert entry.selects(Cell("tiny-llama", "bf16-mixed", "eval", "cpu", "torch"))  # the built-in kinds declare theirs
+    assert not entry.selects(Cell("lora", "bf16-mixed", "eval", "cpu", "torch"))
+
+
+def test_an_unknown_trait_is_refused_naming_the_known_ones(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(TRAIT_ENTRY.replace('"full-weights"', '"big"'))
+    with pytest.raises(catalogue.CatalogueError, match=r"cells\[0\]\.trait has unknown value 'big'"):
+        catalogue.load(path)
+
+
+@pytest.mark.parametrize(
+    ("cell", "entry_id"),
+    [
+        # the first GPU run (shared/gpu-evidence/h100-2026-11-22): fp16-true train NaN in every engine on cuda
+        (Cell("tiny-llama", "fp16-true", "train", "cuda", "hf-trainer"), "adamw-fp16-eps-underflow"),
+        (Cell("gemma-cache", "fp16-true", "train", "cuda", "accelerate"), "adamw-fp16-eps-underflow"),
+        (Cell("lora", "fp16-true", "train", "cuda", "lightning"), "adamw-fp16-eps-underflow"),
+        # and on cuda the libraries really scale fp16: the GradScaler refuses fp16 gradients
+        (
+            Cell("tiny-transformer", "fp16-loaded-mixed", "train", "cuda", "accelerate"),
+            "gradscaler-refuses-fp16-gradients",
+        ),
+        (Cell("tiny-llama", "fp16-loaded-mixed", "train", "cuda", "lightning"), "gradscaler-refuses-fp16-gradients"),
+        # on a CPU they do not: the same cells hit AdamW's fp16 eps instead
+        (Cell("tiny-llama", "fp16-loaded-mixed", "train", "cpu", "accelerate"), "adamw-fp16-eps-underflow"),
+    ],
+)
+def test_the_shipped_catalogue_covers_the_cuda_evidence(cell, entry_id):
+    in_force = catalogue.load().in_force(cell, environment.package_versions())
+    assert entry_id in [e.id for e in in_force]
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        Cell("lora", "fp16-true", "train", "cuda", "torch"),  # fp32 adapters train: no NaN (cpu and cuda alike)
+        Cell("lora", "fp16-loaded-mixed", "train", "cuda", "accelerate"),
+        Cell("tiny-llama", "fp16-loaded-mixed", "train", "cpu", "hf-trainer"),  # no scaler on a CPU
+    ],
+)
+def test_the_cuda_scope_claims_no_more_than_the_evidence(cell):
+    in_force = {e.id for e in catalogue.load().in_force(cell, environment.package_versions())}
+    assert "gradscaler-refuses-fp16-gradients" not in in_force
+    if cell.model == "lora":
+        assert "adamw-fp16-eps-underflow" not in in_force
+
+
+class UsersEncoder(TinyTransformer):
+    """A user's own kind: nothing in the catalogue names it."""
+
+    name = "users-encoder"
+
+
+class UsersAdapterEncoder(UsersEncoder):
+    name = "users-adapter-encoder"
+    traits = frozenset({"adapters"})
+
+
+@pytest.mark.parametrize(("kind", "expected"), [(UsersEncoder(), "known"), (UsersAdapterEncoder(), "failed")])
+def test_a_users_model_gets_the_known_class_its_trait_says(kind, expected, monkeypatch, tmp_path):
+    monkeypatch.setitem(MODELS, kind.name, kind)
+    cell = Cell(kind.name, "fp16-true", "train", "cpu", "torch")
+    result = run_cell(cell, tmp_path)
+    assert result.signature.text == (
+        "train_steps: matrix.checks.NonFiniteValue: parameters are not finite after the optimizer step "
+        "@ matrix.checks:check_finite_parameters"
+    )
+    in_force = catalogue.load().in_force(cell, environment.package_versions())
+    outcome, entry = catalogue.classify(result.outcome, result.signature.text, in_force)
+    assert outcome == expected  # an adapter model whose adapters went NaN anyway is news
+    assert (entry.id if entry else None) == ("adamw-fp16-eps-underflow" if expected == "known" else None)

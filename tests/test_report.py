@@ -138,3 +138,26 @@ def test_summary_says_which_gpu_the_cuda_cells_ran_on():
     assert "- **warning:** several different GPUs are visible" in text
     per_worker = report.summary_markdown(report.results_document({**RUN, "cuda_device": "per-worker"}, env, records()))
     assert "each xdist worker on its own GPU" in per_worker
+
+
+def test_new_failures_are_grouped_by_signature_with_their_cells_folded():
+    """The first GPU run listed 104 new failures one per line; they were 5 problems."""
+    other = Signature("train_steps", "RuntimeError", "Expected all tensors to be on the same device", "torch:x")
+    cells = []
+    for model in ("tiny-llama", "gemma-cache", "lora", "tiny-transformer"):
+        for precision in ("fp32", "bf16-mixed", "bf16-true"):
+            cells.append(failed(Cell(model, precision, "eval", "cuda", "lightning")))
+    for engine in ("torch", "accelerate"):
+        record = report._base_record(Cell("tiny-llama", "fp32", "train", "cuda", engine), "failed")
+        record.update(phase="train_steps", signature=other.as_dict())
+        cells.append(record)
+    text = report.summary_markdown(report.results_document(RUN, ENV, cells))
+    section = text.split("## New failures (no catalogue entry explains them)")[1].split("\n## ")[0]
+    items = [line for line in section.splitlines() if line.startswith("- ")]
+    assert items == [
+        f"- `{SIG.id}` **12 cells**: {SIG.text}",
+        f"- `{other.id}` **2 cells**: {other.text}",
+    ]
+    assert "14 cells, 2 signatures:" in section
+    assert section.count("<details><summary>cells</summary>") == 2
+    assert "`gemma-cache-bf16-true-eval-cuda-lightning`" in section  # every cell is still there, folded

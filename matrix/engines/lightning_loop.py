@@ -25,6 +25,7 @@ from matrix.phases import (
     check_reload,
     check_resumed_one_step,
     check_training_contract,
+    return_from_library_device,
     snapshot_trainable,
 )
 
@@ -71,6 +72,14 @@ class PhaseTracker(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self.phase = "checkpoint_save"
+
+
+# Lightning's Strategy.teardown() ends fit() and validate() with lightning_module.cpu()
+TEARDOWN_DEVICE = torch.device("cpu")
+
+
+def _after_teardown(state: CellState, module, when: str) -> None:
+    return_from_library_device(state, module, TEARDOWN_DEVICE, by="Lightning's strategy teardown", when=when)
 
 
 def _loader(state: CellState):
@@ -131,6 +140,7 @@ def train_steps(state: CellState) -> None:
         lambda: trainer.fit(module, train_dataloaders=_loader(state), val_dataloaders=_loader(state)),
         state.engine_state["tracker"],
     )
+    _after_teardown(state, module, "fit")
     state.metrics["train_losses"] = module.training_losses
     for loss in module.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
@@ -153,6 +163,7 @@ def evaluate(state: CellState) -> None:
     run_tagged(
         lambda: trainer.validate(module, dataloaders=_loader(state), verbose=False), state.engine_state["tracker"]
     )
+    _after_teardown(state, module, "validate")
     check_against_fp32(state, module.validation_output, "eval")
     check_agrees_with_torch_engine(state, module.validation_output.loss.float().item(), "eval")
 
@@ -186,6 +197,7 @@ def resumed_step(state: CellState) -> None:
     run_tagged(
         lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state.engine_state["tracker"]
     )
+    _after_teardown(state, module, "resumed fit")
     state.metrics["resumed_losses"] = module.training_losses
     check_resumed_one_step(module.training_losses, state.engine_state["reloaded"], model)
 

@@ -25,6 +25,14 @@ PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 INIT_SEED = 0
 BATCH_SEED = 1234
 
+# What a model kind is, as far as known failures care: catalogue entries can select cells by
+# trait (matrix/known_failures.toml, `trait = [...]`), so a failure class known for the
+# built-in kinds is recognised in a user's kind that has the same trait.
+TRAITS: dict[str, str] = {
+    "full-weights": "trains all its weights, held in the precision's weights dtype",
+    "adapters": "trains adapters only, which peft keeps in fp32 over a frozen base in the weights dtype",
+}
+
 
 @dataclass
 class EvalOutput:
@@ -61,6 +69,8 @@ class ModelKind(abc.ABC):
     grid_variant: Variant = Variant()
     # the Variant fields this kind reads: what exploration varies and reports record
     variant_fields: tuple[str, ...] = ("seq_len", "padding", "pad_counts")
+    # keys of TRAITS; a kind that trains adapters says so
+    traits: frozenset[str] = frozenset({"full-weights"})
 
     @property
     def variant(self) -> Variant:

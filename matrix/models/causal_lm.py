@@ -45,6 +45,28 @@ def decoder_config(variant: Variant) -> dict:
     }
 
 
+IGNORE_INDEX = -100  # the label transformers' causal LM loss skips
+
+
+def next_token_targets(mask: torch.Tensor) -> torch.Tensor:
+    """Which labels a causal LM batch asks to be predicted: real tokens whose predecessor is
+    a real token too.
+
+    The model shifts labels by one: the output at position t is scored against label t+1.
+    With left padding, the last pad of a row would predict the row's first real token. A pad
+    query attends to nothing (every key before it is a pad), and the output of such a fully
+    masked attention row is whatever the kernel makes of it: on CUDA, SDPA's half-precision
+    kernels return another value than its fp32 one (pytorch/pytorch#110213), which moved
+    the loss by 0.03 with nothing wrong in the precision path (docs/GPU.md). So no label is
+    predicted from a pad position; what the pad positions output is recorded instead
+    (phases.position_deviations).
+    """
+    real = mask.bool()
+    previous_real = torch.ones_like(real)
+    previous_real[:, 1:] = real[:, :-1]
+    return real & previous_real
+
+
 class CausalLMKind(base.ModelKind):
     model_class: type
     config_class: type
@@ -73,7 +95,7 @@ class CausalLMKind(base.ModelKind):
 
     def batch(self, device):
         ids, mask = base.variant_tokens(self.variant)
-        labels = ids.masked_fill(mask == 0, -100)
+        labels = ids.masked_fill(~next_token_targets(mask), IGNORE_INDEX)
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
     def loss(self, model, batch):

@@ -20,6 +20,7 @@ class Lora(CausalLMKind):
     name = "lora"
     description = "peft LoRA (r=4, q_proj/v_proj) on tiny-llama"
     variant_fields = (*DECODER_FIELDS, "lora_rank", "lora_targets")
+    traits = frozenset({"adapters"})
     base_kind = TinyLlama()
 
     @property
