@@ -25,6 +25,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import pytest
 import torch
+
+from matrix.devices import interpret_triton_without_cuda
+
+interpret_triton_without_cuda()  # before anything imports triton (transformers' models do)
+
 import transformers
 
 from matrix import catalogue as known_failures
@@ -42,6 +47,7 @@ from matrix.cells import (
 )
 from matrix.devices import resolve_cuda_index, skip_reason
 from matrix.engines import ENGINES
+from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
 from matrix.results_file import AXES
 from matrix.runner import CELL_TIMEOUT_S, COMMAND_VARIABLE
@@ -218,7 +224,11 @@ def explorable(cell: Cell) -> bool:
 
 def cell_marks(cell: Cell, cuda_index: int) -> list:
     precision = PRECISIONS[cell.precision]
-    reason = ENGINES[cell.engine].unsupported_reason(precision) or skip_reason(cell.device, precision, cuda_index)
+    reason = (
+        ENGINES[cell.engine].unsupported_reason(precision)
+        or skip_reason(cell.device, precision, cuda_index)
+        or MODELS[cell.model].skip_reason(cell.device)
+    )
     return [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
 
 

@@ -103,6 +103,20 @@ def stack(session: nox.Session, name: str) -> None:
 
 
 @nox.session
+def liger(session: nox.Session) -> None:
+    """Seed 002: the Liger tests and one Liger cell, on the `liger` stack (triton + liger-kernel).
+
+    Without a GPU Liger's Triton kernels run in Triton's interpreter. The whole Liger grid:
+    nox -s "stack(name='liger')"; the seed's release: nox -s "stack(name='seed-002-liger-flce')".
+    """
+    install_stack(session, "test", stack="liger")
+    session.run("python", "-m", "pytest", "tests/test_liger.py", *session.posargs)
+    cell = ["--model", "liger-llama", "--precision", "bf16-mixed", "--mode", "train", "--engine", "torch"]
+    reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
+    session.run("python", "-m", "matrix", "run", "cases", *cell, "--report-dir", str(Path(reports) / "liger-reports"))
+
+
+@nox.session
 def bisect(session: nox.Session) -> None:
     """The release that changed one cell: nox -s bisect -- --package P --good V1 --bad V2 --cell ID [--stack S]
 

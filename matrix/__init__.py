@@ -5,6 +5,7 @@ Where things live:
   modes.py       - train / eval
   devices.py     - cpu / cuda, capability probes and skip reasons
   models/        - one tiny model factory per model kind, built from configs in code
+                   (liger_llama.py: seed 002, needs triton + liger-kernel: nox -s liger)
   cells.py       - a cell = model x precision x mode x device; enumeration and selection
   tolerances.py  - numeric tolerances as data
   checks.py      - the assertions a cell makes, each failing with a stable message
@@ -12,6 +13,7 @@ Where things live:
   signatures.py  - failure signature: phase, exception type, normalized message, origin
   environment.py - versions and devices recorded in every report
   report.py      - results.json, summary.md, junit.xml
+  crash_dump.py  - what a crash or timeout record keeps of a dead process's stacks
   catalogue.py   - the known-failure catalogue (known_failures.toml) and outcome classification
   engines/       - torch, accelerate, hf-trainer, lightning: what drives a cell's phases
   variants.py    - the settings the grid holds constant (batch, sizes, cache, loop)

@@ -7,6 +7,7 @@ says what this machine has instead.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -20,6 +21,20 @@ NATIVE_BF16_MIN_CAPABILITY = (8, 0)
 
 
 PER_WORKER = "per-worker"
+TRITON_INTERPRET = "TRITON_INTERPRET"
+
+
+def interpret_triton_without_cuda() -> None:
+    """Without a GPU, Triton kernels (Liger's) can only run in Triton's interpreter, on CPU
+    tensors. Triton reads TRITON_INTERPRET when its functions are decorated, i.e. when triton
+    is first imported (torch._dynamo imports it along with transformers' models), so this
+    must run before that: conftest.py calls it first thing. An explicit setting is kept."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault(TRITON_INTERPRET, "1")
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get(TRITON_INTERPRET) == "1"
 
 
 def resolve_cuda_index(option: str, worker_id: str | None, visible: int) -> int:

@@ -20,6 +20,8 @@ PACKAGES = (
     "accelerate",
     "safetensors",
     "lightning",
+    "triton",  # with liger-kernel: seed 002's stacks only
+    "liger-kernel",
     "numpy",
     "pytest",
     "pytest-xdist",

@@ -27,7 +27,7 @@ from matrix.precisions import PRECISIONS
 from matrix.variants import InvalidVariant
 from matrix.variants import from_json as variant_from_json
 
-PINNED = ("torch", "transformers", "peft", "accelerate", "safetensors")
+PINNED = ("torch", "transformers", "peft", "accelerate", "safetensors", "triton", "liger-kernel")
 
 
 class ReproError(ValueError):
@@ -144,6 +144,28 @@ def reload(directory):
 """
 
 
+LIGER = """
+import types
+
+from liger_kernel.transformers.model.llama import lce_forward  # Liger's own Llama forward
+
+create_plain, load_plain = create, load_weights
+
+
+def with_liger(model):  # as apply_liger_kernel_to_llama(fused_linear_cross_entropy=True, model=model) does
+    model.forward = types.MethodType(lce_forward, model)
+    return model
+
+
+def create():
+    return with_liger(create_plain())
+
+
+def load_weights(directory, dtype):
+    return with_liger(load_plain(directory, dtype))
+"""
+
+
 def _model_code(kind: ModelKind) -> str:
     variant = kind.variant
     if kind.name == "tiny-transformer":
@@ -157,7 +179,7 @@ def _model_code(kind: ModelKind) -> str:
             layers=variant.num_layers,
             classes=NUM_CLASSES,
         )
-    if kind.name not in ("tiny-llama", "gemma-cache", "lora"):
+    if kind.name not in ("tiny-llama", "gemma-cache", "lora", "liger-llama"):
         raise ReproError(f"model kind {kind.name!r} has no standalone form")
     decoder = kind.base if kind.name == "lora" else kind
     generate = "pass"
@@ -173,6 +195,8 @@ def _model_code(kind: ModelKind) -> str:
         use_cache=variant.use_cache_in_eval,
         generate=generate,
     )
+    if kind.name == "liger-llama":
+        code += LIGER
     if kind.name == "lora":
         code += LORA.format(
             rank=variant.lora_rank,
@@ -328,6 +352,9 @@ def generate(cell_id: str, run: Path | None = None, variant: str | None = None) 
     variant_line = (
         f"\n\nSettings changed from the matrix grid's (an exploration's finding): {variant}" if variant else ""
     )
+    interpreter = ""
+    if cell.model == "liger-llama" and cell.device == "cpu":  # before triton is imported
+        interpreter = '\nos.environ.setdefault("TRITON_INTERPRET", "1")  # Liger\'s Triton kernels on CPU tensors\n'
     header = f'''#!/usr/bin/env python3
 """Standalone reproduction of precision-matrix cell {cell_id}.{seen}
 
@@ -343,7 +370,7 @@ import os
 import sys
 import tempfile
 import traceback
-
+{interpreter}
 import torch
 '''
     evaluate_phase = "\n\ndef evaluate(state):\n    state['model'] = build()\n    evaluate_now(state)\n"

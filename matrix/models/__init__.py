@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from matrix.models.base import ModelKind
 from matrix.models.gemma_cache import GemmaCache
+from matrix.models.liger_llama import LigerLlama
 from matrix.models.lora import Lora
 from matrix.models.tiny_llama import TinyLlama
 from matrix.models.tiny_transformer import TinyTransformer
@@ -22,7 +23,7 @@ def register(kind: ModelKind) -> ModelKind:
     return kind
 
 
-for _kind in (TinyTransformer(), TinyLlama(), Lora(), GemmaCache()):
+for _kind in (TinyTransformer(), TinyLlama(), Lora(), GemmaCache(), LigerLlama()):
     register(_kind)
 
 __all__ = ["MODELS", "ModelKind", "register"]

@@ -83,6 +83,10 @@ class ModelKind(abc.ABC):
         configured._variant = variant
         return configured
 
+    def skip_reason(self, device: str) -> str | None:
+        """Why this kind cannot run on `device` here ("Requires: [...] (...)"), or None."""
+        return None
+
     def check_variant(self, variant: Variant) -> None:
         """Raise InvalidVariant for settings this kind cannot be built with or fed."""
         check_common(variant)
