@@ -219,7 +219,9 @@ def pytest_ignore_collect(collection_path, config):
 def explorable(cell: Cell) -> bool:
     """fp32 is the reference every variant is compared with; a precision that fails its own
     policy check fails in 'configure' whatever the variant."""
-    return cell.precision != "fp32" and not PRECISIONS[cell.precision].contradictions()
+    return (
+        cell.precision != "fp32" and not PRECISIONS[cell.precision].contradictions() and MODELS[cell.model].explorable
+    )
 
 
 def cell_marks(cell: Cell, cuda_index: int) -> list:

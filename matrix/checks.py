@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from matrix.tolerances import Tolerance
+from matrix.tolerances import LossDecrease, Tolerance
 
 
 class CheckFailure(AssertionError):
@@ -47,6 +47,14 @@ class EngineDisagreement(CheckFailure):
     pass
 
 
+class TrainedInEvalMode(CheckFailure):
+    """The model was not in training mode in its first training forward: dropout was off."""
+
+
+class LossNotDecreasing(CheckFailure):
+    """Training ran, but the loss on the fixed batch did not fall as far as fp32's does."""
+
+
 class PlacementChanged(CheckFailure):
     """The model is no longer (wholly) on the cell's device: placement is part of a cell's
     contract, like its dtypes."""
@@ -83,6 +91,24 @@ def check_within_tolerance(what: str, value: float, reference: float, tolerance:
             f"{what} {value:.6g} is off the fp32 reference {reference:.6g} by {abs(value - reference):.3g} "
             f"(allowed: atol {tolerance.atol:g} + rtol {tolerance.rtol:g} * |reference|)"
         )
+
+
+def check_trained_in_train_mode(training_in_first_forward: bool | None) -> None:
+    if training_in_first_forward is False:
+        raise TrainedInEvalMode("the model was in eval mode in its first training forward (dropout off)")
+
+
+def check_loss_decreased(losses: list[float], bound: LossDecrease) -> float:
+    """The relative fall of the training loss from the first step to the last; raises when it
+    is below the bound."""
+    first, last = losses[0], losses[-1]
+    fallen = (first - last) / first if first else 0.0
+    if not bound.allows(first, last):
+        raise LossNotDecreasing(
+            "the training loss did not fall by the bound over the applied steps",
+            details=f"{first:.6g} -> {last:.6g}: {fallen:.2%}, bound {bound.min_relative:.2%}",
+        )
+    return fallen
 
 
 def check_parameters_changed(before: dict[str, torch.Tensor], model) -> None:

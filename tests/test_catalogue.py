@@ -258,3 +258,22 @@ def test_a_users_model_gets_the_known_class_its_trait_says(kind, expected, monke
     outcome, entry = catalogue.classify(result.outcome, result.signature.text, in_force)
     assert outcome == expected  # an adapter model whose adapters went NaN anyway is news
     assert (entry.id if entry else None) == ("adamw-fp16-eps-underflow" if expected == "known" else None)
+
+
+@pytest.mark.parametrize(
+    ("precision", "engine", "entry_id"),
+    [
+        ("fp16-loaded-mixed", "torch", "gradscaler-refuses-fp16-gradients"),
+        ("fp16-loaded-mixed", "lightning", "lightning-cpu-bf16-autocast-over-fp16-weights"),
+    ],
+)
+def test_the_other_known_classes_reach_a_users_model_by_trait(precision, engine, entry_id, monkeypatch, tmp_path):
+    """A user's encoder (full weights, torch LayerNorm) gets the GradScaler rule and Lightning's
+    CPU LayerNorm failure as known, as the built-in encoder does, without being named."""
+    kind = UsersEncoder()
+    monkeypatch.setitem(MODELS, kind.name, kind)
+    cell = Cell(kind.name, precision, "train", "cpu", engine)
+    result = run_cell(cell, tmp_path)
+    in_force = catalogue.load().in_force(cell, environment.package_versions())
+    outcome, entry = catalogue.classify(result.outcome, result.signature.text if result.signature else None, in_force)
+    assert (outcome, entry.id if entry else None) == ("known", entry_id), result.message

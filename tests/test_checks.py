@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import checks
+from matrix import checks, phases, tolerances
+from matrix.cells import Cell
 from matrix.signatures import signature_of
 from matrix.tolerances import EVAL_LOSS_VS_FP32, Tolerance
 
@@ -79,3 +80,31 @@ def test_reload_comparison_is_exact_and_dtype_aware():
         checks.check_outputs_equal("logits", x, x + 1e-6, Tolerance(0, 0))
     with pytest.raises(checks.CheckpointMismatch, match="dtype"):
         checks.check_outputs_equal("logits", x, x.bfloat16(), Tolerance(1, 1))
+
+
+def test_a_loss_that_does_not_fall_fails_with_the_numbers():
+    bound = tolerances.LossDecrease(min_relative=0.005)
+    assert checks.check_loss_decreased([4.0, 3.0, 2.0], bound) == 0.5
+    with pytest.raises(checks.LossNotDecreasing) as raised:
+        checks.check_loss_decreased([4.0, 3.99, 3.99], bound)
+    assert raised.value.details == "4 -> 3.99: 0.25%, bound 0.50%"
+    with pytest.raises(checks.LossNotDecreasing):
+        checks.check_loss_decreased([4.0, 4.1], bound)  # rising
+
+
+def test_a_precision_path_that_runs_but_does_not_learn_fails_the_cell(monkeypatch, tmp_path):
+    """A learning rate too small to move the loss: every other check holds (the weights do
+    change, stay finite, keep their dtypes), the loss-decrease bound does not."""
+    monkeypatch.setattr(phases, "LEARNING_RATE", 1e-6)
+    result = phases.run_cell(Cell("tiny-llama", "bf16-mixed", "train", "cpu", "torch"), tmp_path)
+    assert result.outcome == "failed" and result.phase == "train_steps"
+    assert result.signature.exc_type == "matrix.checks.LossNotDecreasing"
+    assert result.metrics["train_losses"][0] > result.metrics["train_losses"][-1]  # it fell, a little
+
+
+def test_every_built_in_kind_learns_in_fp32_by_more_than_the_bound(tmp_path):
+    for model in ("tiny-transformer", "tiny-llama", "lora", "gemma-cache"):
+        result = phases.run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / model)
+        assert result.outcome == "passed", result.message
+        fallen = result.metrics["loss_decrease"]["relative"]
+        assert fallen >= 2 * tolerances.loss_decrease_bound(model).min_relative, (model, fallen)

@@ -10,6 +10,8 @@ from accelerate.state import AcceleratorState
 from matrix.cells import Cell
 from matrix.engines import ENGINES
 from matrix.engines import settings as engine_settings
+from matrix.engines.hf_trainer import RecordingTrainer
+from matrix.models import MODELS
 from matrix.phases import run_cell
 from matrix.precisions import PRECISIONS
 
@@ -104,3 +106,35 @@ def test_shuffled_order_gives_the_same_outcomes_and_signatures(tmp_path):
     assert shuffled != ISOLATION_CELLS
     assert _outcomes(shuffled, tmp_path / "shuffled") == in_order
     assert {outcome for outcome, _, _ in in_order.values()} == {"passed", "failed"}  # both kinds exercised
+
+
+DROPOUT = 0.1  # the real models' value (BERT's hidden and attention dropout)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-transformer"])
+@pytest.mark.parametrize("engine", ["accelerate", "hf-trainer", "lightning"])
+def test_with_dropout_the_first_step_agrees_with_the_torch_engine(model, engine, tmp_path):
+    """Each engine's first training forward draws its dropout masks from the same seed as the
+    torch engine's yardstick, and the rows come in the same order: the losses are equal."""
+    variant = MODELS[model].grid_variant.replace(dropout=DROPOUT)
+    result = run_cell(Cell(model, "fp32", "train", "cpu", engine), tmp_path, variant=variant)
+    assert result.outcome == "passed", result.message
+    compared = result.metrics["cross_engine"]
+    assert compared["spread_abs"] == 0.0 and compared["random_numbers"].startswith("seeded with")
+    torch_run = run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / "torch", variant=variant)
+    assert torch_run.metrics["train_losses"][0] == result.metrics["train_losses"][0]
+
+
+@pytest.mark.parametrize(("dropout", "outcome"), [(DROPOUT, "failed"), (0.0, "passed")])
+def test_an_engine_that_feeds_the_rows_in_another_order_fails_the_check_with_dropout(
+    dropout, outcome, monkeypatch, tmp_path
+):
+    """A deliberately different engine: the Trainer fed the rows backwards. Without dropout the
+    mean loss does not care; with dropout each row gets another row's masks, and the check says so."""
+    monkeypatch.setattr(RecordingTrainer, "_get_train_sampler", lambda self, *a, **k: [2, 1, 0])
+    variant = MODELS["tiny-llama"].grid_variant.replace(dropout=dropout)
+    result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", "hf-trainer"), tmp_path, variant=variant)
+    assert result.outcome == outcome, result.message
+    if outcome == "failed":
+        assert result.phase == "train_steps"
+        assert result.signature.exc_type == "matrix.checks.EngineDisagreement"

@@ -16,7 +16,6 @@ from matrix import checks
 from matrix.engines.accelerate_loop import reset_accelerate
 from matrix.engines.base import Engine, run_tagged
 from matrix.phases import (
-    LEARNING_RATE,
     TRAIN_STEPS,
     CellState,
     check_against_fp32,
@@ -69,7 +68,13 @@ class PhaseTracker(TrainerCallback):
 
 
 class RecordingTrainer(Trainer):
-    """The real Trainer; it also keeps each training loss unrounded (logs round to 4 digits)."""
+    """The real Trainer; it also keeps each training loss unrounded (logs round to 4 digits),
+    and feeds the cell's rows in their own order, as every other engine feeds the batch (its
+    default random sampler would permute them, and with dropout a permuted batch draws its
+    masks for other rows than the torch engine's)."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -89,7 +94,7 @@ def _arguments(state: CellState, max_steps: int) -> TrainingArguments:
         max_steps=max_steps,
         per_device_train_batch_size=len(state.engine_state["rows"]),
         per_device_eval_batch_size=len(state.engine_state["rows"]),
-        learning_rate=LEARNING_RATE,
+        learning_rate=state.learning_rate,
         lr_scheduler_type="constant",
         weight_decay=0.01,  # torch.optim.AdamW's default, as in the torch engine
         optim="adamw_torch",

@@ -17,7 +17,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from matrix import checks
 from matrix.engines.base import Engine, run_tagged
 from matrix.phases import (
-    LEARNING_RATE,
     TRAIN_STEPS,
     CellState,
     check_against_fp32,
@@ -53,7 +52,7 @@ class CellModule(L.LightningModule):
         return self.validation_output.loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+        return self.cell_state.new_optimizer(self.model)
 
 
 class PhaseTracker(Callback):

@@ -10,6 +10,7 @@ from matrix.models.base import ModelKind
 from matrix.models.gemma_cache import GemmaCache
 from matrix.models.liger_llama import LigerLlama
 from matrix.models.lora import Lora
+from matrix.models.minilm_bert import MiniLMBert
 from matrix.models.tiny_llama import TinyLlama
 from matrix.models.tiny_transformer import TinyTransformer
 
@@ -23,7 +24,7 @@ def register(kind: ModelKind) -> ModelKind:
     return kind
 
 
-for _kind in (TinyTransformer(), TinyLlama(), Lora(), GemmaCache(), LigerLlama()):
+for _kind in (TinyTransformer(), TinyLlama(), Lora(), GemmaCache(), LigerLlama(), MiniLMBert()):
     register(_kind)
 
 __all__ = ["MODELS", "ModelKind", "register"]

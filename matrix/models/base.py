@@ -31,6 +31,11 @@ BATCH_SEED = 1234
 TRAITS: dict[str, str] = {
     "full-weights": "trains all its weights, held in the precision's weights dtype",
     "adapters": "trains adapters only, which peft keeps in fp32 over a frozen base in the weights dtype",
+    "layer-norm": "normalises with torch's nn.LayerNorm, whose weights take the precision's dtype",
+    "from-pretrained": "is built with from_pretrained() in every precision, which returns the model in eval mode",
+    "loaded-from-pretrained": (
+        "its *-loaded-* precisions come from from_pretrained(), which returns the model in eval mode"
+    ),
 }
 
 
@@ -71,6 +76,8 @@ class ModelKind(abc.ABC):
     variant_fields: tuple[str, ...] = ("seq_len", "padding", "pad_counts")
     # keys of TRAITS; a kind that trains adapters says so
     traits: frozenset[str] = frozenset({"full-weights"})
+    explorable = True  # False: exploration (matrix/explore.py) has no variants of it to draw
+    learning_rate: float | None = None  # AdamW's, in every engine; None: phases.LEARNING_RATE
 
     @property
     def variant(self) -> Variant:

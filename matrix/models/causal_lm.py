@@ -73,6 +73,7 @@ class CausalLMKind(base.ModelKind):
     # Left padding: what decoder-only generation needs, and what eval loaders feed.
     grid_variant = Variant(padding="left")
     variant_fields = DECODER_FIELDS
+    traits = frozenset({"full-weights", "loaded-from-pretrained"})  # load_weights: from_pretrained()
     generate_tokens = 0  # > 0: evaluation also runs generate()
 
     def config_kwargs(self) -> dict:
