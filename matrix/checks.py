@@ -98,15 +98,14 @@ def check_trained_in_train_mode(training_in_first_forward: bool | None) -> None:
         raise TrainedInEvalMode("the model was in eval mode in its first training forward (dropout off)")
 
 
-def check_loss_decreased(losses: list[float], bound: LossDecrease) -> float:
-    """The relative fall of the training loss from the first step to the last; raises when it
-    is below the bound."""
-    first, last = losses[0], losses[-1]
-    fallen = (first - last) / first if first else 0.0
-    if not bound.allows(first, last):
+def check_loss_decreased(before: float, after: float, bound: LossDecrease) -> float:
+    """The relative fall of the training loss on the fixed batch from before training to after
+    it; raises when it is below the bound."""
+    fallen = (before - after) / before if before else 0.0
+    if not bound.allows(before, after):
         raise LossNotDecreasing(
-            "the training loss did not fall by the bound over the applied steps",
-            details=f"{first:.6g} -> {last:.6g}: {fallen:.2%}, bound {bound.min_relative:.2%}",
+            "the training loss did not fall by the bound over training",
+            details=f"{before:.6g} -> {after:.6g}: {fallen:.2%}, bound {bound.min_relative:.2%}",
         )
     return fallen
 

@@ -42,7 +42,7 @@ def test_the_batch_is_the_real_tokenizer_on_real_sentences():
 def test_fp32_training_with_dropout_agrees_across_engines_and_learns(engine, tmp_path):
     result = run_cell(Cell("minilm-bert", "fp32", "train", "cpu", engine), tmp_path)
     assert result.outcome == "passed", result.message
-    assert result.metrics["loss_decrease"]["relative"] > 0.03  # 6.7% measured at lr 1e-4
+    assert result.metrics["loss_decrease"]["relative"] > 0.08  # 16% measured at lr 1e-4
     if engine != "torch":
         assert result.metrics["cross_engine"]["spread_abs"] <= 1e-5
 

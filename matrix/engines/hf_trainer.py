@@ -24,6 +24,7 @@ from matrix.phases import (
     check_resumed_one_step,
     check_training_contract,
     evaluate_in_precision,
+    record_library_steps,
     same_weights_copy,
     snapshot_trainable,
 )
@@ -148,6 +149,7 @@ def train_steps(state: CellState) -> None:
     trainer = _trainer(state, state.model, TRAIN_STEPS)
     run_tagged(trainer.train, state.engine_state["tracker"])
     state.metrics["train_losses"] = trainer.training_losses
+    record_library_steps(state, trainer.optimizer, trainer.state.global_step)
     for loss in trainer.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
     check_training_contract(state, state.model, trainable, dtypes)

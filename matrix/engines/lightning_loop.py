@@ -24,6 +24,7 @@ from matrix.phases import (
     check_reload,
     check_resumed_one_step,
     check_training_contract,
+    record_library_steps,
     return_from_library_device,
     snapshot_trainable,
 )
@@ -141,6 +142,7 @@ def train_steps(state: CellState) -> None:
     )
     _after_teardown(state, module, "fit")
     state.metrics["train_losses"] = module.training_losses
+    record_library_steps(state, trainer.optimizers[0], trainer.global_step)
     for loss in module.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
     check_training_contract(state, state.model, trainable, dtypes)
