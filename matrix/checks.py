@@ -98,10 +98,14 @@ def check_trained_in_train_mode(training_in_first_forward: bool | None) -> None:
         raise TrainedInEvalMode("the model was in eval mode in its first training forward (dropout off)")
 
 
+def relative_fall(before: float, after: float) -> float:
+    return (before - after) / before if before else 0.0
+
+
 def check_loss_decreased(before: float, after: float, bound: LossDecrease) -> float:
     """The relative fall of the training loss on the fixed batch from before training to after
     it; raises when it is below the bound."""
-    fallen = (before - after) / before if before else 0.0
+    fallen = relative_fall(before, after)
     if not bound.allows(before, after):
         raise LossNotDecreasing(
             "the training loss did not fall by the bound over training",

@@ -55,8 +55,8 @@ class LossDecrease:
 
     min_relative: float
 
-    def allows(self, first: float, last: float) -> bool:
-        return first > 0 and (first - last) / first >= self.min_relative
+    def allows(self, before: float, after: float) -> bool:
+        return before > 0 and (before - after) / before >= self.min_relative
 
 
 # Established from fp32 (torch 2.13.0 CPU, AdamW lr 1e-2, 3 applied steps, the loss before and
