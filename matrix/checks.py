@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from matrix.tolerances import LossDecrease, Tolerance
+from matrix.tolerances import LossDecrease, Tolerance, relative_fall
 
 
 class CheckFailure(AssertionError):
@@ -96,10 +96,6 @@ def check_within_tolerance(what: str, value: float, reference: float, tolerance:
 def check_trained_in_train_mode(training_in_first_forward: bool | None) -> None:
     if training_in_first_forward is False:
         raise TrainedInEvalMode("the model was in eval mode in its first training forward (dropout off)")
-
-
-def relative_fall(before: float, after: float) -> float:
-    return (before - after) / before if before else 0.0
 
 
 def check_loss_decreased(before: float, after: float, bound: LossDecrease) -> float:

@@ -27,7 +27,7 @@ from matrix.devices import torch_device
 from matrix.models import MODELS, ModelKind
 from matrix.precisions import PRECISIONS, PolicyContradiction, Precision, dtype_name, validate
 from matrix.signatures import Signature, signature_of
-from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance, loss_decrease_bound
+from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance, loss_decrease_bound, relative_fall
 from matrix.variants import Variant
 
 PHASE_NAMES: dict[str, tuple[str, ...]] = {
@@ -75,6 +75,9 @@ class CellState:
     batch: dict | None = None
     outputs_before_save: torch.Tensor | None = None
     engine_state: dict = field(default_factory=dict)  # what an engine keeps between its phases
+    # seeded_training_loss of a fresh model: the loss-decrease check's "before" and the
+    # cross-engine check's torch-engine yardstick in training, measured once per cell
+    loss_before_training: float | None = None
 
     @property
     def device_type(self) -> str:
@@ -256,16 +259,20 @@ def train_until_applied(state: CellState, step, steps: int) -> list[float]:
     return losses
 
 
+def _generators_kept(state: CellState):
+    """A context that leaves the global generators (the CPU's and the cell's GPU's) as it found them."""
+    return torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else [])
+
+
 def seeded_training_loss(state: CellState, model) -> float:
     """The loss of `model` on the cell's batch measured as its first training forward was:
     train mode, the precision's autocast, the dropout draws seeded with FIRST_FORWARD_SEED, no
     gradients. Two such measurements differ by the weights alone. The global generators are
     left as they were and the model in the mode it was in."""
     was_training = model.training
-    cuda = [state.device] if state.device.type == "cuda" else []
     model.train()
     try:
-        with torch.no_grad(), state.precision.autocast(state.device_type), torch.random.fork_rng(devices=cuda):
+        with torch.no_grad(), state.precision.autocast(state.device_type), _generators_kept(state):
             torch.manual_seed(FIRST_FORWARD_SEED)  # the draws the cell's own first forward made
             return state.kind.loss(model, state.batch).float().item()
     finally:
@@ -275,17 +282,22 @@ def seeded_training_loss(state: CellState, model) -> float:
 def fresh_model(state: CellState):
     """The cell's model as every engine starts from it (built deterministically), leaving the
     global generators as they were."""
-    cuda = [state.device] if state.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
+    with _generators_kept(state):
         return state.kind.build(state.precision, state.device, state.workdir)
+
+
+def loss_before_training(state: CellState) -> float:
+    """seeded_training_loss of a fresh model, measured once per cell."""
+    if state.loss_before_training is None:
+        state.loss_before_training = seeded_training_loss(state, fresh_model(state))
+    return state.loss_before_training
 
 
 def torch_engine_loss(state: CellState, mode: str) -> float:
     """The loss the torch engine computes first, on a fresh model: the cross-engine yardstick."""
-    model = fresh_model(state)
     if mode == "train":
-        return seeded_training_loss(state, model)
-    return evaluate_in_precision(state, model).loss.float().item()
+        return loss_before_training(state)
+    return evaluate_in_precision(state, fresh_model(state)).loss.float().item()
 
 
 def record_library_steps(state: CellState, optimizer, library_steps: int) -> None:
@@ -383,9 +395,8 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     # the fall is measured by the harness, the same way before and after training: the library's
     # own losses are taken before each of its steps, so the last applied step never shows in
     # them, and a grad scaler that skipped the first steps leaves none to see (Trainer, Lightning)
-    before, after = seeded_training_loss(state, fresh_model(state)), seeded_training_loss(state, model)
-    measured = {"loss_before_training": before, "loss_after_training": after}
-    measured["relative"] = checks.relative_fall(before, after)
+    before, after = loss_before_training(state), seeded_training_loss(state, model)
+    measured = {"loss_before_training": before, "loss_after_training": after, "relative": relative_fall(before, after)}
     if state.kind.variant != state.kind.grid_variant:
         # the bound was established on the grid's settings only: a variant (exploration) records
         # its fall unchecked (a drawn LoRA with rank 1 and hidden size 8 falls less in fp32)

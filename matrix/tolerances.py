@@ -47,6 +47,11 @@ MODEL_OVERRIDES: dict[tuple[str, torch.dtype], Tolerance] = {}
 CHECKPOINT_ROUND_TRIP = Tolerance(atol=0.0, rtol=0.0)
 
 
+def relative_fall(before: float, after: float) -> float:
+    """(before - after) / before: how far a loss fell, as a fraction of where it started."""
+    return (before - after) / before if before else 0.0
+
+
 @dataclass(frozen=True)
 class LossDecrease:
     """How much the training loss on the fixed batch must fall over training: (loss before -
@@ -56,7 +61,7 @@ class LossDecrease:
     min_relative: float
 
     def allows(self, before: float, after: float) -> bool:
-        return before > 0 and (before - after) / before >= self.min_relative
+        return before > 0 and relative_fall(before, after) >= self.min_relative
 
 
 # Established from fp32 (torch 2.13.0 CPU, AdamW lr 1e-2, 3 applied steps, the loss before and
