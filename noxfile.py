@@ -159,9 +159,14 @@ def compare(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells)."""
+    """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells).
+
+    The tests run on pytest-xdist workers, one per core: most of their time is spent in the
+    pytest and python -m matrix processes they start, which a second core overlaps. Arguments
+    after -- go to pytest (`-- -n 0` runs them in one process).
+    """
     install_stack(session, "test")
-    session.run("python", "-m", "pytest", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", "tests", "-n", "auto", *session.posargs)
     smoke_reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     session.run(
         "python",

@@ -1,26 +1,34 @@
 """Mixed-precision regression matrix for the PyTorch LLM stack.
 
-Where things live:
-  precisions.py  - the precision table (weights dtype, autocast dtype, grad scaler)
-  modes.py       - train / eval
-  devices.py     - cpu / cuda, capability probes and skip reasons
-  models/        - one tiny model factory per model kind, built from configs in code
-                   (liger_llama.py: seed 002, needs triton + liger-kernel: nox -s liger)
-  cells.py       - a cell = model x precision x mode x device; enumeration and selection
-  tolerances.py  - numeric tolerances as data
-  checks.py      - the assertions a cell makes, each failing with a stable message
-  phases.py      - what a cell runs (train steps, evaluation, checkpoint round trip)
-  signatures.py  - failure signature: phase, exception type, normalized message, origin
-  environment.py - versions and devices recorded in every report
-  report.py      - results.json, summary.md, junit.xml
-  crash_dump.py  - what a crash or timeout record keeps of a dead process's stacks
-  catalogue.py   - the known-failure catalogue (known_failures.toml) and outcome classification
-  engines/       - torch, accelerate, hf-trainer, lightning: what drives a cell's phases
-  variants.py    - the settings the grid holds constant (batch, sizes, cache, loop)
-  strategies.py  - hypothesis strategies over valid variants, per model kind and engine
-  explore.py     - property-based exploration: shrink a failing variant, say what it needs
+Where things live (one home each):
+  registry.py      - the registry every axis and the catalogue use: register(), lookup, order
+  cell.py          - a cell = model x precision x mode x device x engine, and its id
+  precisions.py    - the precision table: one row per precision; engines derive their settings
+  modes.py         - train / eval
+  devices/         - one file per device (cpu.py, cuda.py): probe, skip reason, placement,
+                     process-poisoning errors, environment capture
+  models/          - one file per model kind, built from configs in code (nothing is downloaded)
+  engines/         - one file per engine (torch, accelerate, hf-trainer, lightning): its phases
+                     and the settings it derives from a precision
+  selection.py     - axis values from the registries, --model a,b selection, enumeration
+  shards.py        - --shard K/N
+  variants.py      - the settings the grid holds constant (batch, sizes, cache, loop)
+  tolerances.py    - numeric tolerances as data
+  checks.py        - the assertions a cell makes, each failing with a stable message
+  phases.py        - what every cell's phases share (state, fp32 comparison, training contract)
+  execute.py       - running a cell and classifying its record (no pytest)
+  signatures.py    - failure signature: phase, exception type, normalized message, origin
+  catalogue.py     - the known-failure catalogue (known_failures.toml, plus users' files)
+  packages.py      - the packages the matrix knows by name, and their versions
+  environment.py   - versions and devices recorded in every report
+  results/         - records, results.json, summary.md, junit.xml, index.html, the journal,
+                     diff and merge: standard library only
+  recording.py     - a run's recording: directory, journal, report (no pytest)
+  options.py       - every command-line option, for the plugin and python -m matrix run
+  plugin.py        - the pytest plugin (entry point pytest11: matrix): hooks and fixtures
+  pytest_cases.py  - the matrix's two tests, test_cell and test_explore
+  runner.py        - python -m matrix run: the crash- and hang-surviving supervisor
+  strategies.py, explore.py - hypothesis exploration of the variants the grid does not run
+  repro.py, bisect.py, stacks.py - standalone scripts, bisection, pinned version stacks
+  import_graph.py  - the package's import graph (python -m matrix.import_graph)
 """
-
-SCHEMA_VERSION = 4  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;
-# 4: per-cell cuda_index, device_name and rerun; run.shard, run.cuda_device, run.merged_from;
-# environment.driver_version and driver_cuda_version

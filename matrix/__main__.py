@@ -1,13 +1,30 @@
 """python -m matrix bisect ... (matrix/bisect.py), python -m matrix repro ... (matrix/repro.py),
 python -m matrix replay ... (one cell, optionally with an exploration's variant),
-python -m matrix diff OLD NEW (matrix/compare.py) and python -m matrix merge A B -o DIR
-(matrix/merge.py). Exit status 2 means bad input, with one line saying which file and field."""
+python -m matrix diff OLD NEW (matrix/results/compare.py) and python -m matrix merge A B -o DIR
+(matrix/results/merge.py). Exit status 2 means bad input, with one line saying which file and field."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+PLUGIN_HELP = "a module that registers model kinds (or other axis values), as pytest's -p loads it; repeatable"
+
+
+def load_plugins(command: str, modules: list[str]) -> bool:
+    """Import the -p modules, as pytest would have: False (after one line) if one does not load."""
+    import importlib
+
+    from matrix.registry import RegistrationError
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except (ImportError, SyntaxError, RegistrationError) as error:
+            print(f"python -m matrix {command}: -p {module}: {type(error).__name__}: {error}", file=sys.stderr)
+            return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         "--cell", required=True, help="a cell id, e.g. gemma-cache-bf16-loaded-mixed-eval-cpu-accelerate"
     )
     bisect.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to bisect on")
-    bisect.add_argument("--report-dir", default=str(Path(__file__).resolve().parent.parent / "reports"))
+    bisect.add_argument("--report-dir", default=None, help="default: reports/ here")
     repro = commands.add_parser("repro", help="write a standalone script that reproduces one cell")
+    repro.add_argument("-p", dest="plugins", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     repro.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
     repro.add_argument("--run", type=Path, help="a report directory or results.json: its pins and failing phase")
     repro.add_argument("-o", "--output", type=Path, help="where to write the script (default: stdout)")
     repro.add_argument("--variant", help="settings as JSON, as an exploration's finding records them")
     replay = commands.add_parser("replay", help="run one cell, optionally with an exploration's variant")
+    replay.add_argument("-p", dest="plugins", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     replay.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
     replay.add_argument("--variant", help="settings as JSON (default: the grid's)")
     replay.add_argument("--cuda-device", type=int, default=0)
@@ -80,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return diff_runs(args)
     if args.command == "merge":
         return merge_runs(args)
+    if args.command in ("replay", "repro") and not load_plugins(args.command, args.plugins):
+        return 2
     if args.command == "replay":
         return replay_cell(args.cell, args.variant, args.cuda_device)
 
@@ -101,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     from matrix.bisect import bisect as run_bisect
 
     try:
-        run_bisect(args.package, args.good, args.bad, args.cell, args.stack, Path(args.report_dir), extra)
+        from matrix.results.run_directory import reports_root
+
+        run_bisect(args.package, args.good, args.bad, args.cell, args.stack, reports_root(args.report_dir), extra)
     except BisectError as error:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
         return 2
@@ -109,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fold_run(directory: Path) -> int:
-    from matrix import journal
-    from matrix.report import fold_journal
+    from matrix.results import journal
+    from matrix.results.run_directory import fold_journal
 
     if (directory / "results.json").exists():
         print(f"python -m matrix fold: {directory}/results.json exists: nothing to fold", file=sys.stderr)
@@ -125,8 +148,8 @@ def fold_run(directory: Path) -> int:
 
 
 def diff_runs(args) -> int:
-    from matrix import compare
-    from matrix.results_file import ResultsError, load
+    from matrix.results import compare
+    from matrix.results.files import ResultsError, load
 
     try:
         fail_on = compare.parse_fail_on(args.fail_on)
@@ -147,8 +170,8 @@ def diff_runs(args) -> int:
 
 
 def merge_runs(args) -> int:
-    from matrix.merge import MergeError, merge, write_merged
-    from matrix.results_file import ResultsError
+    from matrix.results.files import ResultsError
+    from matrix.results.merge import MergeError, merge, write_merged
 
     if args.output.exists():
         print(
@@ -176,9 +199,9 @@ def replay_cell(cell_id: str, variant_json: str | None, cuda_index: int) -> int:
     """Exit 0 when the cell passes, 1 when it fails (its signature first), 2 on bad input."""
     import tempfile
 
-    from matrix.cells import cell_from_id
+    from matrix.execute import run_cell
     from matrix.models import MODELS
-    from matrix.phases import run_cell
+    from matrix.selection import cell_from_id
     from matrix.variants import InvalidVariant, from_json
 
     cell = cell_from_id(cell_id)

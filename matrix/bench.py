@@ -47,7 +47,7 @@ DEFAULT_RUNNER = "python -m matrix run"
 PYTEST_RUNNER = "python -m pytest cases"  # --runner pytest
 DEFAULT_SELECTION = ("--engine", "torch", "--device", "cpu")
 DEFAULT_REPEAT = 3
-# What a cell run imports before its first cell (conftest.py, cases/test_cells.py).
+# What a cell run imports before its first cell (the pytest plugin, matrix/plugin.py).
 STACK_MODULES = (
     "torch",
     "transformers",
@@ -90,7 +90,7 @@ def progress(line: str) -> None:
 
 def timed(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     env = {**os.environ}
-    env.setdefault("HF_HUB_OFFLINE", "1")  # as conftest.py sets it before importing the stack
+    env.setdefault("HF_HUB_OFFLINE", "1")  # as the pytest plugin sets it before importing the stack
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

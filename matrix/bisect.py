@@ -160,7 +160,7 @@ class ScratchEnvironment:
 def bisect(
     package: str, good: str, bad: str, cell: str, stack_name: str, reports_root: Path, extra: list[str], log=print
 ) -> dict:
-    from matrix.cells import cell_from_id
+    from matrix.selection import cell_from_id
 
     stacks = version_stacks.load()
     if stack_name not in stacks:

@@ -1,5 +1,11 @@
 """The known-failure catalogue (matrix/known_failures.toml) and outcome classification.
 
+The built-in catalogue is matrix/known_failures.toml. A downstream project adds its own entries,
+never replaces these: register(path) from its plugin or conftest, or --catalogue FILE on the
+command line; an entry can select by a model kind's declared traits, so the built-in known
+classes apply to a user's kinds too. --no-builtin-catalogue starts from no entries (a run
+that shows every failure as if unannounced).
+
 An entry is in force for a cell when the installed versions satisfy its specifiers and one of
 its selectors matches the cell. Then:
   known  - the cell failed and its signature text matches the entry's pattern;
@@ -21,7 +27,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from matrix.cells import Cell, axis_values, model_traits, trait_names
+from matrix.selection import Cell, axis_values, model_traits, trait_names
 
 CATALOGUE_FILE = Path(__file__).with_name("known_failures.toml")
 KINDS = ("bug", "intended")
@@ -171,4 +177,37 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
 
 
 def load(path: Path = CATALOGUE_FILE) -> Catalogue:
-    return parse(path.read_text(), path)
+    """One catalogue file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise CatalogueError(f"{path}: cannot read it ({error.strerror or error})") from None
+    return parse(text, Path(path))
+
+
+REGISTERED: list[Path] = []  # files a plugin added with register(), in the order added
+
+
+def register(path: Path | str) -> Path:
+    """Add a catalogue file's entries to the built-in ones in every run of this process. The
+    file is read when a run assembles its catalogue (after every plugin registered its model
+    kinds, which its entries may name)."""
+    path = Path(path)
+    if path not in REGISTERED:
+        REGISTERED.append(path)
+    return path
+
+
+def assemble(extra: tuple[Path, ...] = (), builtin: bool = True) -> Catalogue:
+    """The run's catalogue: the built-in entries (unless builtin is False), then the registered
+    files', then `extra`'s (--catalogue). An id given twice is an error naming both files."""
+    sources = ([CATALOGUE_FILE] if builtin else []) + [p for p in (*REGISTERED, *extra)]
+    entries: list[Entry] = []
+    where: dict[str, Path] = {}
+    for source in dict.fromkeys(sources):  # a file named twice counts once
+        for entry in load(source).entries:
+            if entry.id in where:
+                raise CatalogueError(f"{source}: entry {entry.id!r}: id already used in {where[entry.id]}")
+            where[entry.id] = source
+            entries.append(entry)
+    return Catalogue(entries)

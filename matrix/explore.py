@@ -28,10 +28,11 @@ from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis.errors import NoSuchExample
 
 from matrix.catalogue import Catalogue
-from matrix.cells import Cell
+from matrix.cell import Cell
 from matrix.engines import ENGINES
+from matrix.execute import CellResult, run_cell
 from matrix.models import MODELS
-from matrix.phases import CellResult, run_cell
+from matrix.results.records import known_failure_record
 from matrix.strategies import base_variant, explored_fields, variants
 from matrix.variants import InvalidVariant, Variant, to_json
 
@@ -76,8 +77,9 @@ class Exploration:
     findings: list[Finding] = field(default_factory=list)
 
 
-def replay_command(target: Cell, variant: Variant, fields: tuple[str, ...]) -> str:
-    return shlex.join(["python", "-m", "matrix", "replay", target.id, "--variant", to_json(variant, fields)])
+def replay_command(target: Cell, variant: Variant, fields: tuple[str, ...], plugins: tuple[str, ...] = ()) -> str:
+    """`plugins`: the run's -p arguments, without which a plugin's model kind is unknown."""
+    return shlex.join(["python", "-m", "matrix", "replay", *plugins, target.id, "--variant", to_json(variant, fields)])
 
 
 def known_entry(catalogue: Catalogue, installed: dict, target: Cell, signature_text: str):
@@ -90,8 +92,8 @@ def known_entry(catalogue: Catalogue, installed: dict, target: Cell, signature_t
 class Search:
     """The runs of one exploration, each variant run at most once per precision."""
 
-    def __init__(self, target: Cell, budget: Budget, workdir: Path, cuda_index: int) -> None:
-        self.target, self.budget, self.workdir, self.cuda_index = target, budget, workdir, cuda_index
+    def __init__(self, target: Cell, budget: Budget, workdir: Path, device_index: int) -> None:
+        self.target, self.budget, self.workdir, self.device_index = target, budget, workdir, device_index
         self.reference = Cell(target.model, REFERENCE_PRECISION, target.mode, target.device, target.engine)
         self.results: dict[tuple[str, Variant], CellResult] = {}
         self.deadline = time.monotonic() + budget.seconds
@@ -107,7 +109,7 @@ class Search:
             self.runs += 1
             directory = self.workdir / f"run-{self.runs}"
             try:
-                self.results[key] = run_cell(cell, directory, self.cuda_index, variant=variant)
+                self.results[key] = run_cell(cell, directory, self.device_index, variant=variant)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
         return self.results[key]
@@ -135,12 +137,13 @@ def explore(
     workdir: Path,
     catalogue: Catalogue,
     installed: dict,
-    cuda_index: int = 0,
+    device_index: int = 0,
+    plugins: tuple[str, ...] = (),
 ) -> Exploration:
     kind, engine = MODELS[target.model], ENGINES[target.engine]
     fields = explored_fields(kind, engine)
     started = time.monotonic()
-    search = Search(target, budget, workdir, cuda_index)
+    search = Search(target, budget, workdir, device_index)
     exploration = Exploration(target=target, budget=budget, fields=fields, base=base_variant(kind, engine))
     strategy = variants(kind, engine)
     accepted: set[str] = set()  # signatures already reported by this exploration
@@ -180,11 +183,11 @@ def explore(
             variant=minimal,
             differs_from_base=minimal.differences(exploration.base, fields),
             known_as=entry.id if entry else None,
-            replay=replay_command(target, minimal, fields),
+            replay=replay_command(target, minimal, fields, plugins),
         )
         if target.engine == "torch" and not result.signature.exc_type.startswith("matrix."):
             finding.repro = shlex.join(
-                ["python", "-m", "matrix", "repro", target.id, "--variant", to_json(minimal, fields)]
+                ["python", "-m", "matrix", "repro", *plugins, target.id, "--variant", to_json(minimal, fields)]
             )
         finding.needed = why_needed(search, kind, minimal, exploration.base, fields, result)
         exploration.findings.append(finding)
@@ -272,3 +275,46 @@ def why_needed(search: Search, kind, minimal: Variant, base: Variant, fields, re
         else:
             explained[name] = "not needed: reverted alone, the same failure"
     return explained
+
+
+def exploration_record(exploration: Exploration, catalogue: Catalogue) -> dict:
+    """One explored target (matrix/explore.py): its budget, what ran, and each finding."""
+    findings = []
+    for finding in exploration.findings:
+        entry = catalogue.by_id(finding.known_as) if finding.known_as else None
+        findings.append(
+            {
+                "status": finding.status,
+                "signature": finding.result.signature.as_dict(),
+                "phase": finding.result.phase,
+                "message": finding.result.message,
+                "known_failure": known_failure_record(entry) if entry else None,
+                "variant": finding.variant.only(exploration.fields),
+                "differs_from_base": finding.differs_from_base,
+                "needed": finding.needed,
+                "replay": finding.replay,
+                "repro": finding.repro,
+                "metrics": finding.result.metrics,
+            }
+        )
+    budget = exploration.budget
+    return {
+        "target": exploration.target.id,
+        **exploration.target.axes(),
+        "skip_reason": None,
+        "budget": {
+            "examples": budget.examples,
+            "seconds": budget.seconds,
+            "seed": budget.seed,
+            "findings": budget.findings,
+        },
+        "explored_fields": list(exploration.fields),
+        "base_variant": exploration.base.only(exploration.fields),
+        "examples_run": exploration.examples_run,
+        "fp32_runs": exploration.fp32_runs,
+        "fp32_failures": exploration.fp32_failures,
+        "fp32_failure_examples": exploration.fp32_failure_examples,
+        "stopped_by": exploration.stopped_by,
+        "wall_s": exploration.wall_s,
+        "findings": findings,
+    }

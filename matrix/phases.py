@@ -1,34 +1,22 @@
-"""What every cell runs, phase by phase, whatever the engine, and the result it hands to the
-report.
-
-train: train_steps -> mid_training_eval -> checkpoint_save -> checkpoint_reload -> resumed_step
-eval:  evaluate -> checkpoint_save -> checkpoint_reload
-
-An engine (matrix/engines/) supplies one function per phase name. The first phase that raises
-ends the cell; its exception becomes the signature. Where a library runs several phases in
-one call (Trainer.train() steps, evaluates and saves), the engine tags the exception with the
-phase the library was in (`matrix_phase`), and the phases before it count as passed.
-Phases after the failing one are recorded as not run. Nothing is caught that is not recorded.
-"""
+"""What the phases of every cell share, whatever the engine: the state they hand to each other
+(CellState), the phase names of each mode, and the checks they make (training contract,
+evaluation against fp32, checkpoint round trip, agreement with the torch engine). Engines
+(matrix/engines/) build their phases from these; matrix/execute.py runs them."""
 
 from __future__ import annotations
 
-import dataclasses
-import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from matrix import checks
-from matrix.cells import Cell
-from matrix.devices import torch_device
-from matrix.models import MODELS, ModelKind
-from matrix.precisions import PRECISIONS, PolicyContradiction, Precision, dtype_name, validate
-from matrix.signatures import Signature, signature_of
+from matrix.cell import Cell
+from matrix.devices import DEVICES, Device
+from matrix.models import ModelKind
+from matrix.precisions import PRECISIONS, Precision, dtype_name
+from matrix.signatures import signature_of
 from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance, loss_decrease_bound, relative_fall
-from matrix.variants import Variant
 
 PHASE_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train_steps", "mid_training_eval", "checkpoint_save", "checkpoint_reload", "resumed_step"),
@@ -44,19 +32,6 @@ MAX_STEP_ATTEMPTS = 16
 # every engine, and in the torch engine's yardstick: the cross-engine check compares losses
 # computed from the same draws (seed_first_training_forward).
 FIRST_FORWARD_SEED = 20261123
-
-
-@dataclass
-class CellResult:
-    cell: Cell
-    outcome: str  # passed | failed
-    phase: str | None = None  # the phase that failed
-    signature: Signature | None = None
-    message: str | None = None  # the exception's own message, unnormalized
-    traceback: str | None = None
-    duration_s: float = 0.0
-    phases: dict[str, str] = field(default_factory=dict)  # phase -> passed | failed | not run
-    metrics: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +57,11 @@ class CellState:
     @property
     def device_type(self) -> str:
         return self.device.type
+
+    @property
+    def device_kind(self) -> Device:
+        """The device axis' entry the cell runs on (matrix/devices/)."""
+        return DEVICES[self.cell.device]
 
     def eval_grad_context(self):
         """The grad mode evaluation runs in: no_grad, or inference_mode if the variant says so."""
@@ -261,7 +241,7 @@ def train_until_applied(state: CellState, step, steps: int) -> list[float]:
 
 def _generators_kept(state: CellState):
     """A context that leaves the global generators (the CPU's and the cell's GPU's) as it found them."""
-    return torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else [])
+    return torch.random.fork_rng(devices=state.device_kind.rng_devices(state.device))
 
 
 def seeded_training_loss(state: CellState, model) -> float:
@@ -418,83 +398,3 @@ def check_reload(state: CellState, reloaded, evaluate=None) -> None:
     state.metrics["reload_max_abs_difference"] = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP
     )
-
-
-# ---------------------------------------------------------------- running a cell
-
-
-def _record_failure(result: CellResult, phase: str, exc: BaseException) -> None:
-    result.outcome, result.phase = "failed", phase
-    result.signature = signature_of(phase, exc)
-    result.message = f"{type(exc).__name__}: {exc}"
-    if getattr(exc, "details", None):
-        result.message += f" ({exc.details})"
-    result.traceback = "".join(traceback.format_exception(exc))
-
-
-def run_cell(
-    cell: Cell,
-    workdir: Path,
-    cuda_index: int = 0,
-    run_contradictory: bool = False,
-    variant: Variant | None = None,
-) -> CellResult:
-    """Run a cell's phases. A precision policy that contradicts itself fails in the
-    `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
-    record what the stack itself raises. `variant` replaces the model kind's grid settings
-    (raises InvalidVariant for settings the kind cannot take)."""
-    from matrix.engines import ENGINES
-
-    kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
-    precision = PRECISIONS[cell.precision]
-    if kind.variant.grad_accumulation is not None:
-        precision = dataclasses.replace(precision, grad_accumulation=kind.variant.grad_accumulation)
-    state = CellState(
-        cell=cell,
-        kind=kind,
-        precision=precision,
-        device=torch_device(cell.device, cuda_index),
-        workdir=workdir,
-        metrics={"declared": precision.settings()},
-    )
-    if variant is not None:
-        state.metrics["variant"] = kind.variant.only(kind.variant_fields)
-    engine = ENGINES[cell.engine]
-    state.metrics["engine_settings"] = engine.settings(precision)
-    phases = engine.phases(cell.mode)
-    names = PHASE_NAMES[cell.mode]
-    result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
-    result.phases = {name: "not run" for name in names}
-    start = time.perf_counter()
-    if precision.contradictions():
-        state.metrics["policy_contradictions"] = precision.contradictions()
-        if not run_contradictory:
-            try:
-                validate(precision)
-            except PolicyContradiction as exc:
-                _record_failure(result, "configure", exc)
-                return result
-    try:
-        for name in names:
-            try:
-                phases[name](state)
-                if state.model is not None:  # an engine hands the model back where the cell runs it
-                    checks.check_placement(state.model, state.device, f"after {name}")
-            except Exception as exc:  # recorded: signature, message and full traceback
-                failed = getattr(exc, "matrix_phase", None) or name
-                if failed not in names[names.index(name) :]:
-                    failed = name  # an engine's guess outside this mode's remaining phases
-                for earlier in names[names.index(name) : names.index(failed)]:
-                    result.phases[earlier] = "passed"
-                _record_failure(result, failed, exc)
-                result.phases[failed] = "failed"
-                break
-            result.phases[name] = "passed"
-    finally:
-        for hook in ("first_forward_watch", "first_training_forward_seed"):
-            watch = state.engine_state.pop(hook, None)
-            if watch is not None:
-                watch.remove()  # a cell whose hook never fired leaves no global hook behind
-        engine.cleanup(state)
-    result.duration_s = round(time.perf_counter() - start, 4)
-    return result

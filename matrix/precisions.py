@@ -1,4 +1,8 @@
-"""The precision axis: one row per precision, and nothing else decides what a precision means."""
+"""The precision axis: one row per precision, and nothing else decides what a precision means.
+
+A new precision is one entry in the table below (or one register() call in a user's plugin):
+each engine derives its own settings from the row (matrix/engines/*.py settings()).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from matrix.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -72,32 +78,38 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
 
-PRECISIONS: dict[str, Precision] = {
-    p.name: p
-    for p in (
-        Precision("fp32", _F32, None, False, "fp32 weights, no autocast"),
-        Precision("fp16-mixed", _F32, _F16, True, "fp32 master weights, fp16 autocast, GradScaler"),
-        Precision("bf16-mixed", _F32, _BF16, False, "fp32 master weights, bf16 autocast"),
-        Precision("bf16-true", _BF16, None, False, "bf16 weights, no autocast"),
-        Precision("fp16-true", _F16, None, False, "fp16 weights, no autocast, no scaler"),
-        # What most LLM fine-tuning runs: weights loaded in half precision
-        # (from_pretrained(dtype=...)) with a mixed-precision trainer on top.
-        Precision("bf16-loaded-mixed", _BF16, _BF16, False, "bf16 weights loaded, bf16 autocast", "load"),
-        Precision("fp16-loaded-mixed", _F16, _F16, True, "fp16 weights loaded, fp16 autocast, GradScaler", "load"),
-        # SimpleTuner's MIXED_PRECISION=bf16 with --gradient_precision=fp32 over bf16 weights
-        # (seed 004): contradictory on purpose, so the matrix shows how it is caught.
-        Precision(
-            "bf16-loaded-mixed-fp32-grads",
-            _BF16,
-            _BF16,
-            False,
-            "bf16 weights loaded, bf16 autocast, fp32 gradients, 2 accumulation steps",
-            "load",
-            grad_dtype=_F32,
-            grad_accumulation=2,
-        ),
-    )
-}
+PRECISIONS: Registry[Precision] = Registry("precision", Precision)
+register = PRECISIONS.register
+
+for _precision in (
+    Precision("fp32", _F32, None, False, "fp32 weights, no autocast"),
+    Precision("fp16-mixed", _F32, _F16, True, "fp32 master weights, fp16 autocast, GradScaler"),
+    Precision("bf16-mixed", _F32, _BF16, False, "fp32 master weights, bf16 autocast"),
+    Precision("bf16-true", _BF16, None, False, "bf16 weights, no autocast"),
+    Precision("fp16-true", _F16, None, False, "fp16 weights, no autocast, no scaler"),
+    # What most LLM fine-tuning runs: weights loaded in half precision
+    # (from_pretrained(dtype=...)) with a mixed-precision trainer on top.
+    Precision("bf16-loaded-mixed", _BF16, _BF16, False, "bf16 weights loaded, bf16 autocast", "load"),
+    Precision("fp16-loaded-mixed", _F16, _F16, True, "fp16 weights loaded, fp16 autocast, GradScaler", "load"),
+    # SimpleTuner's MIXED_PRECISION=bf16 with --gradient_precision=fp32 over bf16 weights
+    # (seed 004): contradictory on purpose, so the matrix shows how it is caught.
+    Precision(
+        "bf16-loaded-mixed-fp32-grads",
+        _BF16,
+        _BF16,
+        False,
+        "bf16 weights loaded, bf16 autocast, fp32 gradients, 2 accumulation steps",
+        "load",
+        grad_dtype=_F32,
+        grad_accumulation=2,
+    ),
+):
+    register(_precision)
+
+
+def table() -> dict[str, dict]:
+    """The precisions as results.json records them: name -> declared settings and summary."""
+    return {name: {**p.settings(), "summary": p.summary} for name, p in PRECISIONS.items()}
 
 
 class PolicyContradiction(ValueError):

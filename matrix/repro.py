@@ -17,17 +17,14 @@ from pathlib import Path
 
 import torch
 
-from matrix.cells import cell_from_id
 from matrix.environment import package_versions
-from matrix.models import MODELS, ModelKind, base
-from matrix.models.causal_lm import DTYPE_ARGUMENT
-from matrix.models.tiny_transformer import NUM_CLASSES
+from matrix.models import MODELS, ModelKind
+from matrix.packages import PINNED_IN_REPRO
 from matrix.phases import LEARNING_RATE, MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS
 from matrix.precisions import PRECISIONS
+from matrix.selection import cell_from_id
 from matrix.variants import InvalidVariant
 from matrix.variants import from_json as variant_from_json
-
-PINNED = ("torch", "transformers", "peft", "accelerate", "safetensors", "triton", "liger-kernel")
 
 
 class ReproError(ValueError):
@@ -45,166 +42,6 @@ def _batch_literal(kind: ModelKind) -> str:
         lines.append(f"    {key!r}: torch.tensor({tensor.tolist()!r}, dtype={_dtype(tensor.dtype)}).to(DEVICE),")
     lines.append("}")
     return "\n".join(lines)
-
-
-ENCODER = """
-from safetensors.torch import load_file, save_file
-from torch import nn
-from torch.nn import functional as F
-
-
-class EncoderClassifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding({vocab}, {hidden}, padding_idx={pad})
-        layer = nn.TransformerEncoderLayer(
-            d_model={hidden}, nhead={heads}, dim_feedforward={intermediate}, dropout={dropout}, batch_first=True,
-        )
-        self.encoder = nn.TransformerEncoder(layer, num_layers={layers})
-        self.head = nn.Linear({hidden}, {classes})
-
-    def forward(self, input_ids, padding_mask=None):
-        hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask)
-        if padding_mask is None:
-            return self.head(hidden.mean(dim=1))
-        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
-        return self.head((hidden * keep).sum(dim=1) / keep.sum(dim=1))
-
-
-def create():
-    return EncoderClassifier()
-
-
-def save(model, directory):
-    save_file({{k: v.contiguous() for k, v in model.state_dict().items()}}, f"{{directory}}/model.safetensors")
-
-
-def load_weights(directory, dtype):
-    model = EncoderClassifier().to(dtype)
-    model.load_state_dict(load_file(f"{{directory}}/model.safetensors"))
-    return model
-
-
-def loss_of(model, batch):
-    return F.cross_entropy(model(batch["input_ids"], batch.get("padding_mask")).float(), batch["labels"])
-
-
-def evaluate_model(model, batch):
-    return loss_of(model, batch)
-"""
-
-DECODER = """
-from transformers import {config_class}, {model_class}
-
-CONFIG = {config!r}
-
-
-def create():
-    return {model_class}({config_class}(**CONFIG))
-
-
-def save(model, directory):
-    model.save_pretrained(directory)
-
-
-def load_weights(directory, dtype):
-    return {model_class}.from_pretrained(directory, {dtype_argument}=dtype)
-
-
-def loss_of(model, batch):
-    return model(**batch, use_cache=False).loss
-
-
-def evaluate_model(model, batch):
-    out = model(**batch, use_cache={use_cache})
-    {generate}
-    return out.loss
-"""
-
-GENERATE = (
-    'model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], '
-    "max_new_tokens={tokens}, do_sample=False, use_cache={use_cache}, pad_token_id={pad})"
-)
-
-LORA = """
-from peft import LoraConfig, PeftModel, get_peft_model
-
-build_base = build  # the base model in the precision, as for tiny-llama; peft keeps the adapters fp32
-
-
-def build():
-    base = build_base()
-    torch.manual_seed(0)
-    config = LoraConfig(r={rank}, lora_alpha={alpha}, lora_dropout={dropout}, target_modules={targets!r})
-    return get_peft_model(base, config)
-
-
-def reload(directory):
-    return PeftModel.from_pretrained(build_base(), directory, is_trainable=True)
-"""
-
-
-LIGER = """
-import types
-
-from liger_kernel.transformers.model.llama import lce_forward  # Liger's own Llama forward
-
-create_plain, load_plain = create, load_weights
-
-
-def with_liger(model):  # as apply_liger_kernel_to_llama(fused_linear_cross_entropy=True, model=model) does
-    model.forward = types.MethodType(lce_forward, model)
-    return model
-
-
-def create():
-    return with_liger(create_plain())
-
-
-def load_weights(directory, dtype):
-    return with_liger(load_plain(directory, dtype))
-"""
-
-
-def _model_code(kind: ModelKind) -> str:
-    variant = kind.variant
-    if kind.name == "tiny-transformer":
-        return ENCODER.format(
-            vocab=base.VOCAB_SIZE,
-            hidden=variant.hidden_size,
-            pad=base.PAD_TOKEN_ID,
-            heads=variant.num_heads,
-            intermediate=variant.intermediate_size,
-            dropout=variant.dropout,
-            layers=variant.num_layers,
-            classes=NUM_CLASSES,
-        )
-    if kind.name not in ("tiny-llama", "gemma-cache", "lora", "liger-llama"):
-        raise ReproError(f"model kind {kind.name!r} has no standalone form")
-    decoder = kind.base if kind.name == "lora" else kind
-    generate = "pass"
-    if decoder.generate_tokens:
-        generate = GENERATE.format(
-            tokens=decoder.generate_tokens, use_cache=variant.use_cache_in_eval, pad=base.PAD_TOKEN_ID
-        )
-    code = DECODER.format(
-        config_class=decoder.config_class.__name__,
-        model_class=decoder.model_class.__name__,
-        config=decoder.config_kwargs(),
-        dtype_argument=DTYPE_ARGUMENT,
-        use_cache=variant.use_cache_in_eval,
-        generate=generate,
-    )
-    if kind.name == "liger-llama":
-        code += LIGER
-    if kind.name == "lora":
-        code += LORA.format(
-            rank=variant.lora_rank,
-            alpha=2 * variant.lora_rank,
-            dropout=variant.dropout,
-            targets=list(variant.lora_targets),
-        )
-    return code
 
 
 PHASES = """
@@ -347,7 +184,7 @@ def generate(cell_id: str, run: Path | None = None, variant: str | None = None) 
     names = PHASE_NAMES[cell.mode]
     wanted = list(names[: names.index(phase) + 1]) if phase in names else list(names)
     runnable = [n for n in wanted if n != "resumed_step"]
-    pins = " ".join(f"{name}=={versions[name]}" for name in PINNED if versions.get(name))
+    pins = " ".join(f"{name}=={versions[name]}" for name in PINNED_IN_REPRO if versions.get(name))
     seen = f"\nSignature in the matrix run: {record['signature']['text']}" if record and record["signature"] else ""
     variant_line = (
         f"\n\nSettings changed from the matrix grid's (an exploration's finding): {variant}" if variant else ""
@@ -374,7 +211,7 @@ import traceback
 import torch
 '''
     evaluate_phase = "\n\ndef evaluate(state):\n    state['model'] = build()\n    evaluate_now(state)\n"
-    body = _model_code(kind) + "\n" + _batch_literal(kind)
+    body = kind.standalone_code() + "\n" + _batch_literal(kind)
     phases = PHASES.format(
         weights=_dtype(precision.weights_dtype),
         autocast=_dtype(precision.autocast_dtype),

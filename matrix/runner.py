@@ -3,7 +3,7 @@
 Cells run in one process (importing the stack takes seconds, a cell milliseconds: one process
 per cell would be many times slower). When that process dies (a segfault, an abort, the OOM
 killer, a CUDA error that takes the process down) or hangs in code that pytest-timeout cannot
-interrupt, this supervisor reads the run's journal (matrix/journal.py), records the cell that
+interrupt, this supervisor reads the run's journal (matrix/results/journal.py), records the cell that
 was running as failed with a crash or timeout signature naming the signal, and starts pytest
 again on the same run with --matrix-resume, which skips the cells already recorded. Every
 other cell still runs, and the run's report is one report.
@@ -16,6 +16,7 @@ Ctrl-C or SIGTERM is passed on to pytest, which writes the cells done so far, ma
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import signal
@@ -24,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from matrix import journal
+from matrix.options import CELL_TIMEOUT_S, OptionError, joined_values, runner_options
+from matrix.results import journal, run_directory
 
-ROOT = Path(__file__).resolve().parent.parent
+COMMAND_VARIABLE = "MATRIX_RUN_COMMAND"  # the command the user typed, recorded in the report
 
 
 # past --cell-timeout, for pytest-timeout to stop the cell itself first (30 s at the default)
@@ -37,47 +39,47 @@ def grace_s(cell_timeout: float) -> float:
 ABORT_WAIT_S = 10.0  # after SIGABRT (faulthandler writes the stacks), before SIGKILL
 POLL_S = 0.2
 MAX_RESTARTS = 1000  # one per crashed cell; a bound in case a process dies before any cell
-COMMAND_VARIABLE = "MATRIX_RUN_COMMAND"
 PYTEST_INTERRUPTED = 2
 PYTEST_USAGE_ERROR = 4
 NO_TESTS_COLLECTED = 5  # a resumed process whose cells were all done already
-# The slowest honest cell measured on a quiet 2-core CPU takes 0.7 s (hf-trainer, gemma-cache); the
-# first cuda cell of a process also pays CUDA's initialisation. 120 s leaves a wide margin.
-CELL_TIMEOUT_S = 120.0
 
 
 class InputError(ValueError):
     """Bad input found before the run; str() is the one line to print."""
 
 
-def matrix_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The options the supervisor needs to know; all of argv still goes to pytest."""
-    parser = argparse.ArgumentParser(add_help=False)
-    for axis in ("model", "precision", "mode", "device", "engine"):
-        parser.add_argument(f"--{axis}")
-    parser.add_argument("--report-dir")
-    parser.add_argument("--run-id")
-    parser.add_argument("--catalogue")
-    parser.add_argument("--shard")
-    parser.add_argument("--cuda-device")
-    parser.add_argument("--cell-timeout", type=float)
-    parser.add_argument("--no-report", action="store_true")
-    known, _ = parser.parse_known_args(argv)
-    return known, argv
-
-
 def check_input(options: argparse.Namespace) -> None:
     """What the supervisor itself relies on. The rest (axis values, --shard, --cuda-device, the
-    catalogue) pytest checks as a usage error before any cell runs, which this maps to 2."""
-    if options.run_id is not None:
+    catalogue, a plugin that does not load) pytest finds before any cell runs, which this maps
+    to one line and exit status 2."""
+    if options.matrix_run_id is not None:
         try:
-            journal.check_run_id(options.run_id)
+            journal.check_run_id(options.matrix_run_id)
         except ValueError as error:
             raise InputError(f"--run-id: {error}") from None
-    if options.cell_timeout is not None and not options.cell_timeout > 0:
-        raise InputError(f"--cell-timeout: {options.cell_timeout:g} is not a positive number of seconds")
-    if options.no_report:
+    if options.matrix_no_report:
         raise InputError("--no-report: python -m matrix run needs the report's journal; use pytest directly")
+    for module in options.plugins:
+        check_plugin_source(module)
+
+
+def check_plugin_source(module: str) -> None:
+    """A -p module that is not valid Python: one line here, before pytest reports it as an
+    internal error with a traceback excerpt. Only its source is compiled; nothing is imported
+    but the packages above it."""
+    if module.startswith("no:"):
+        return
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as error:
+        raise InputError(f"-p {module}: cannot be found ({error})") from None
+    if spec is None:
+        raise InputError(f"-p {module}: no module of that name on sys.path")
+    if spec.origin and spec.origin.endswith(".py"):
+        try:
+            compile(Path(spec.origin).read_bytes(), spec.origin, "exec")
+        except SyntaxError as error:
+            raise InputError(f"-p {module}: {spec.origin}, line {error.lineno}: SyntaxError: {error.msg}") from None
 
 
 def signal_name(returncode: int) -> str:
@@ -101,9 +103,9 @@ class Supervisor:
     def command(self, resume: bool) -> list[str]:
         command = [sys.executable, "-m", "pytest", *self.pytest_args]
         if not any(arg == "--run-id" or arg.startswith("--run-id=") for arg in self.pytest_args):
-            command += ["--run-id", self.run_id]
+            command.append(f"--run-id={self.run_id}")
         if not any(arg == "--report-dir" or arg.startswith("--report-dir=") for arg in self.pytest_args):
-            command += ["--report-dir", str(self.reports_root)]
+            command.append(f"--report-dir={self.reports_root}")
         return command + (["--matrix-resume"] if resume else [])
 
     def forward(self, signum, frame) -> None:
@@ -123,7 +125,7 @@ class Supervisor:
         resume = False
         for _ in range(MAX_RESTARTS):
             started_at = time.time()
-            self.child = subprocess.Popen(self.command(resume), cwd=ROOT)
+            self.child = subprocess.Popen(self.command(resume))
             timed_out = self.watch()
             returncode = self.child.wait()
             state = journal.read(self.directory)
@@ -155,7 +157,7 @@ class Supervisor:
                     file=sys.stderr,
                 )
                 return 3
-            self.record_deaths(in_flight, returncode, timed_out)
+            self.record_deaths(in_flight, state.reruns, returncode, timed_out)
             resume = True
         print(f"python -m matrix run: gave up after {MAX_RESTARTS} restarts", file=sys.stderr)
         return 3
@@ -183,25 +185,30 @@ class Supervisor:
                 return overdue[0]
         return None
 
-    def record_deaths(self, in_flight: dict[str, float], returncode: int, timed_out: str | None) -> None:
-        from matrix.cells import Cell
-        from matrix.report import crash_record, timeout_record
+    def record_deaths(
+        self, in_flight: dict[str, float], state_reruns: dict, returncode: int, timed_out: str | None
+    ) -> None:
+        from matrix.cell import Cell
+        from matrix.results.records import crash_record, timeout_record
 
         stacks = self.faulthandler_output()
         log = journal.Journal(self.directory)
         try:
             for cell_id, (started, axes) in in_flight.items():
                 cell = Cell(**axes)
+                rerun = state_reruns.get(cell_id)
                 if cell_id == timed_out:
-                    record = timeout_record(cell, self.cell_timeout, stacks)
+                    record = timeout_record(cell, self.cell_timeout, stacks, rerun=rerun)
                     what = f"timed out after {self.cell_timeout:g} s"
                 else:
-                    record = crash_record(cell, f"killed by {signal_name(returncode)}", stacks, time.time() - started)
+                    record = crash_record(
+                        cell, f"killed by {signal_name(returncode)}", stacks, time.time() - started, rerun=rerun
+                    )
                     what = f"crashed ({signal_name(returncode)})"
-                log.cell(record)
+                log.cell(record.as_dict())
                 self.crashed.append(cell_id)
                 print(
-                    f"python -m matrix run: {cell_id} {what}: {record['signature']['id']}; resuming the run",
+                    f"python -m matrix run: {cell_id} {what}: {record.signature['id']}; resuming the run",
                     file=sys.stderr,
                 )
         finally:
@@ -217,20 +224,19 @@ class Supervisor:
 
 
 def main(argv: list[str]) -> int:
-    options, pytest_args = matrix_options(argv)
     try:
+        options = runner_options(argv)
         check_input(options)
-    except InputError as error:
+    except (InputError, OptionError) as error:
         print(f"python -m matrix run: {error}", file=sys.stderr)
         return 2
-    reports_root = Path(options.report_dir) if options.report_dir else ROOT / "reports"
-    run_id = options.run_id or journal.new_run_id()
+    reports_root = run_directory.reports_root(options.matrix_report_dir)
+    run_id = options.matrix_run_id or journal.new_run_id()
     if (reports_root / run_id).exists():
         print(f"python -m matrix run: --run-id: {reports_root / run_id} exists; never written into", file=sys.stderr)
         return 2
-    if not any(arg.startswith("cases") or arg.startswith("tests") for arg in pytest_args):
-        pytest_args = ["cases", *pytest_args]
-    timeout = options.cell_timeout or CELL_TIMEOUT_S
+    pytest_args = joined_values(argv)  # which tests: the paths given, else pytest's testpaths (here: cases/)
+    timeout = options.matrix_cell_timeout or CELL_TIMEOUT_S
     # the report records the command the user typed, not the pytest process started for it
     os.environ[COMMAND_VARIABLE] = shlex.join(["python", "-m", "matrix", "run", *argv])
     return Supervisor(pytest_args, reports_root, run_id, timeout).run()

@@ -14,20 +14,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-# Packages whose frames count as the origin of a failure.
-STACK_PACKAGES = (
-    "torch",
-    "transformers",
-    "peft",
-    "accelerate",
-    "lightning",
-    "lightning_fabric",
-    "pytorch_lightning",
-    "safetensors",
-    "bitsandbytes",
-    "liger_kernel",
-    "triton",
-)
+from matrix.packages import ORIGIN_MODULES
+
 MAX_MESSAGE_CHARS = 300
 
 _NORMALIZERS: tuple[tuple[re.Pattern, str], ...] = tuple(
@@ -79,7 +67,7 @@ def origin_of(exc: BaseException) -> str:
     if frame_module(frames[-1]).split(".")[0] == "matrix":
         frame = frames[-1]
     else:
-        in_stack = [f for f in frames if frame_module(f).split(".")[0] in STACK_PACKAGES]
+        in_stack = [f for f in frames if frame_module(f).split(".")[0] in ORIGIN_MODULES]
         frame = (in_stack or frames)[-1]
     return f"{frame_module(frame)}:{frame.f_code.co_name}"
 
@@ -123,17 +111,3 @@ def signature_of(phase: str, exc: BaseException) -> Signature:
 def signature_of_crash(phase: str, description: str) -> Signature:
     """A cell whose process died has no exception object: only what pytest/xdist reported."""
     return Signature(phase, "crash", normalize_message(description), "<worker process>")
-
-
-# Errors after which a process's CUDA context is unusable: every later CUDA call in the same
-# process fails with the same error, so the rest of the run needs a fresh process.
-POISONS_PROCESS = (
-    "device-side assert triggered",
-    "an illegal memory access was encountered",
-    "unspecified launch failure",
-)
-
-
-def poisons_process(message: str | None) -> str | None:
-    """The poisoning error named in a failure's message, or None."""
-    return next((error for error in POISONS_PROCESS if message and error in message), None)

@@ -4,7 +4,7 @@ Evaluation loss of a cell vs an fp32 reference computed from the same weights on
 batch. Rows are keyed by the precision's compute dtype (the lowest dtype its matmuls run
 in); a model kind may override a row. A value passes when |x - ref| <= atol + rtol * |ref|.
 The deviation is recorded even when it passes; `python -m matrix diff` calls its growth
-between two runs drift when it exceeds a fraction of the allowance (matrix/compare.py).
+between two runs drift when it exceeds a fraction of the allowance (matrix/results/compare.py).
 
 Unit roundoff: fp16 2**-11 ~ 4.9e-4, bf16 2**-8 ~ 3.9e-3. The rows leave room for the
 accumulation over two tiny layers, not for a wrong answer: a cross entropy near ln(vocab)

@@ -41,3 +41,18 @@ def run_pytest(tmp_path):
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
     return run
+
+
+@pytest.fixture
+def registered():
+    """registered(registry, item): the item is registered for this test only."""
+    added = []
+
+    def register(registry, item):
+        registry.register(item)
+        added.append((registry, item.name))
+        return item
+
+    yield register
+    for registry, name in added:
+        registry.unregister(name)

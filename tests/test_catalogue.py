@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from matrix import catalogue, environment
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.models.tiny_transformer import TinyTransformer
-from matrix.phases import run_cell
 
 ENTRY = """
 [[entry]]
@@ -246,8 +246,8 @@ class UsersAdapterEncoder(UsersEncoder):
 
 
 @pytest.mark.parametrize(("kind", "expected"), [(UsersEncoder(), "known"), (UsersAdapterEncoder(), "failed")])
-def test_a_users_model_gets_the_known_class_its_trait_says(kind, expected, monkeypatch, tmp_path):
-    monkeypatch.setitem(MODELS, kind.name, kind)
+def test_a_users_model_gets_the_known_class_its_trait_says(kind, expected, monkeypatch, tmp_path, registered):
+    registered(MODELS, kind)
     cell = Cell(kind.name, "fp16-true", "train", "cpu", "torch")
     result = run_cell(cell, tmp_path)
     assert result.signature.text == (
@@ -267,11 +267,13 @@ def test_a_users_model_gets_the_known_class_its_trait_says(kind, expected, monke
         ("fp16-loaded-mixed", "lightning", "lightning-cpu-bf16-autocast-over-fp16-weights"),
     ],
 )
-def test_the_other_known_classes_reach_a_users_model_by_trait(precision, engine, entry_id, monkeypatch, tmp_path):
+def test_the_other_known_classes_reach_a_users_model_by_trait(
+    precision, engine, entry_id, monkeypatch, tmp_path, registered
+):
     """A user's encoder (full weights, torch LayerNorm) gets the GradScaler rule and Lightning's
     CPU LayerNorm failure as known, as the built-in encoder does, without being named."""
     kind = UsersEncoder()
-    monkeypatch.setitem(MODELS, kind.name, kind)
+    registered(MODELS, kind)
     cell = Cell(kind.name, precision, "train", "cpu", engine)
     result = run_cell(cell, tmp_path)
     in_force = catalogue.load().in_force(cell, environment.package_versions())

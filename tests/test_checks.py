@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import checks, phases, tolerances
-from matrix.cells import Cell
+from matrix import checks, execute, phases, tolerances
+from matrix.cell import Cell
 from matrix.signatures import signature_of
 from matrix.tolerances import EVAL_LOSS_VS_FP32, Tolerance
 
@@ -96,7 +96,7 @@ def test_a_precision_path_that_runs_but_does_not_learn_fails_the_cell(monkeypatc
     """A learning rate too small to move the loss: every other check holds (the weights do
     change, stay finite, keep their dtypes), the loss-decrease bound does not."""
     monkeypatch.setattr(phases, "LEARNING_RATE", 1e-6)
-    result = phases.run_cell(Cell("tiny-llama", "bf16-mixed", "train", "cpu", "torch"), tmp_path)
+    result = execute.run_cell(Cell("tiny-llama", "bf16-mixed", "train", "cpu", "torch"), tmp_path)
     assert result.outcome == "failed" and result.phase == "train_steps"
     assert result.signature.exc_type == "matrix.checks.LossNotDecreasing"
     assert result.metrics["train_losses"][0] > result.metrics["train_losses"][-1]  # it fell, a little
@@ -121,7 +121,7 @@ def test_steps_a_grad_scaler_skipped_are_counted_and_the_fall_is_still_measured(
         return original(self, closure)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    result = phases.run_cell(Cell("gemma-cache", "fp32", "train", "cpu", engine), tmp_path)
+    result = execute.run_cell(Cell("gemma-cache", "fp32", "train", "cpu", engine), tmp_path)
     assert result.outcome == "passed", result.message
     losses = result.metrics["train_losses"]
     assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # nothing applied before the last step
@@ -134,7 +134,7 @@ def test_steps_a_grad_scaler_skipped_are_counted_and_the_fall_is_still_measured(
 
 def test_every_built_in_kind_learns_in_fp32_by_more_than_the_bound(tmp_path):
     for model in ("tiny-transformer", "tiny-llama", "lora", "gemma-cache"):
-        result = phases.run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / model)
+        result = execute.run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / model)
         assert result.outcome == "passed", result.message
         fallen = result.metrics["loss_decrease"]["relative"]
         assert fallen >= 2 * tolerances.loss_decrease_bound(model).min_relative, (model, fallen)

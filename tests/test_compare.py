@@ -9,8 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_report import ENV, RUN
 
-from matrix import compare, report
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.precisions import table
+from matrix.results import compare
+from matrix.results.document import results_document
+from matrix.results.records import CellRecord
 from matrix.signatures import Signature
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +26,7 @@ def signature(message: str) -> dict:
 
 
 def cell(model: str, outcome: str, sig: str | None = None, deviation: float | None = None, mode: str = "eval") -> dict:
-    record = report._base_record(Cell(model, "bf16-mixed", mode, "cpu"), outcome)
+    record = CellRecord.of(Cell(model, "bf16-mixed", mode, "cpu"), outcome).as_dict()
     if sig:
         record.update(phase="evaluate", signature=signature(sig), message=sig)
     if outcome in ("known", "fixed"):
@@ -40,7 +43,7 @@ def cell(model: str, outcome: str, sig: str | None = None, deviation: float | No
 
 
 def document(*records, run_id="run") -> dict:
-    return report.results_document({**RUN, "id": run_id}, ENV, list(records))
+    return results_document({**RUN, "id": run_id}, ENV, list(records), (), table())
 
 
 OLD = document(

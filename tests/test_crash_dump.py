@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import crash_dump, report
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.results import crash_dump, records
 
 # A real faulthandler dump: a crash 150 calls deep, with four other threads alive.
 CRASHING_PROGRAM = textwrap.dedent(
@@ -60,10 +60,12 @@ def test_the_record_keeps_the_fatal_line_and_the_crashing_stack_and_counts_the_m
 
 
 def test_a_crash_record_built_from_it_says_where_it_died(big_dump):
-    record = report.crash_record(Cell("tiny-llama", "bf16-true", "train", "cpu"), "killed by SIGSEGV", big_dump, 1.0)
+    record = records.crash_record(
+        Cell("tiny-llama", "bf16-true", "train", "cpu"), "killed by SIGSEGV", big_dump, 1.0
+    ).as_dict()
     assert record["signature"]["text"] == "crash: ProcessDied: killed by SIGSEGV @ ctypes:string_at"
     assert "Fatal Python error" in record["message"] and "in descend" in record["message"]
-    timeout = report.timeout_record(Cell("tiny-llama", "bf16-true", "train", "cpu"), 2.0, big_dump)
+    timeout = records.timeout_record(Cell("tiny-llama", "bf16-true", "train", "cpu"), 2.0, big_dump).as_dict()
     assert "Fatal Python error" in timeout["message"] and "in string_at" in timeout["message"]
 
 

@@ -45,7 +45,10 @@ def test_a_broken_custom_function_fails_with_its_signature_and_phase(run_pytest,
     header = next(i for i, line in enumerate(lines) if line.startswith("_") and "bf16-mixed-train-cpu-torch]" in line)
     first_lines = [line for line in lines[header + 1 :] if line.strip()][:2]
     assert first_lines[0].startswith(f"{signature['id']} train_steps: RuntimeError:")
-    assert first_lines[1] == "re-run: pytest 'cases/test_cells.py::test_cell[broken-matmul-bf16-mixed-train-cpu-torch]'"
+    # with the plugin module the run loaded: the cell's model kind exists only with it
+    rerun = "pytest 'cases/test_cells.py::test_cell[broken-matmul-bf16-mixed-train-cpu-torch]' -p broken_models"
+    assert first_lines[1] == f"re-run: {rerun}"
+    assert broken["rerun"] == rerun
 
 
 def test_the_same_failure_gives_the_same_signature_in_two_runs(run_pytest, tmp_path):

@@ -1,46 +1,81 @@
 """The engine axis: the settings table, skip reasons, effective precision, phase attribution,
 cross-engine agreement, and isolation between cells."""
 
+import dataclasses
 import random
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from matrix.cells import Cell
+from matrix.cell import Cell
 from matrix.engines import ENGINES
-from matrix.engines import settings as engine_settings
 from matrix.engines.hf_trainer import RecordingTrainer
+from matrix.execute import run_cell
 from matrix.models import MODELS
-from matrix.phases import run_cell
 from matrix.precisions import PRECISIONS
 
 LIGHTNING_PRECISIONS = {"32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true"}
 
 
-def test_the_table_maps_every_precision_for_every_engine():
-    for precision in PRECISIONS:
-        assert set(engine_settings.ENGINE_SETTINGS[precision]) == set(ENGINES), precision
-        if PRECISIONS[precision].grad_dtype is not None:  # only the hand-written loop can keep fp32 grads
-            for engine in ("accelerate", "hf-trainer", "lightning"):
-                reason = ENGINES[engine].unsupported_reason(PRECISIONS[precision])
-                assert reason.startswith("Requires: [") and "gradients in another dtype" in reason
-            continue
-        lightning = engine_settings.ENGINE_SETTINGS[precision]["lightning"]
-        assert isinstance(lightning, engine_settings.Unsupported) or lightning["precision"] in LIGHTNING_PRECISIONS
-        accelerate = engine_settings.ENGINE_SETTINGS[precision]["accelerate"]
-        autocast = PRECISIONS[precision].autocast_dtype
-        expected = {None: "no", torch.float16: "fp16", torch.bfloat16: "bf16"}[autocast]
-        assert accelerate == {"mixed_precision": expected}
-        trainer = engine_settings.ENGINE_SETTINGS[precision]["hf-trainer"]
-        assert trainer == {"fp16": autocast == torch.float16, "bf16": autocast == torch.bfloat16}
+# What each engine was told for each precision when the settings were a hand-written table (up
+# to commit a3f4eac): every engine now derives them from the precision's row, and must say the same.
+HAND_WRITTEN = {
+    "fp32": ({}, {"mixed_precision": "no"}, {"fp16": False, "bf16": False}, {"precision": "32-true"}),
+    "fp16-mixed": (
+        {"autocast": "float16", "grad_scaler": True},
+        {"mixed_precision": "fp16"},
+        {"fp16": True, "bf16": False},
+        {"precision": "16-mixed"},
+    ),
+    "bf16-mixed": (
+        {"autocast": "bfloat16"},
+        {"mixed_precision": "bf16"},
+        {"fp16": False, "bf16": True},
+        {"precision": "bf16-mixed"},
+    ),
+    "bf16-true": ({}, {"mixed_precision": "no"}, {"fp16": False, "bf16": False}, {"precision": "bf16-true"}),
+    "fp16-true": ({}, {"mixed_precision": "no"}, {"fp16": False, "bf16": False}, {"precision": "16-true"}),
+    "bf16-loaded-mixed": (
+        {"autocast": "bfloat16"},
+        {"mixed_precision": "bf16"},
+        {"fp16": False, "bf16": True},
+        {"precision": "bf16-mixed"},
+    ),
+    "fp16-loaded-mixed": (
+        {"autocast": "float16", "grad_scaler": True},
+        {"mixed_precision": "fp16"},
+        {"fp16": True, "bf16": False},
+        {"precision": "16-mixed"},
+    ),
+    "bf16-loaded-mixed-fp32-grads": (
+        {"autocast": "bfloat16", "grad_dtype": "float32", "grad_accumulation": 2},
+        "Requires: [an accelerate setting for gradients in another dtype than the weights]",
+        "Requires: [a TrainingArguments setting for gradients in another dtype than the weights]",
+        "Requires: [a Lightning precision for gradients in another dtype than the weights]",
+    ),
+}
 
 
-def test_a_combination_an_engine_cannot_express_is_skipped_with_its_reason(monkeypatch):
-    reason = "Requires: [an engine setting for fp16-true] (test)"
-    monkeypatch.setitem(engine_settings.ENGINE_SETTINGS["fp16-true"], "lightning", engine_settings.Unsupported(reason))
-    assert ENGINES["lightning"].unsupported_reason(PRECISIONS["fp16-true"]) == reason
-    assert ENGINES["lightning"].settings(PRECISIONS["fp16-true"]) == {"unsupported": reason}
+@pytest.mark.parametrize("precision", list(HAND_WRITTEN))
+def test_every_engine_derives_what_the_hand_written_table_said(precision):
+    for engine, expected in zip(
+        ("torch", "accelerate", "hf-trainer", "lightning"), HAND_WRITTEN[precision], strict=True
+    ):
+        settings = ENGINES[engine].settings(PRECISIONS[precision])
+        assert settings == ({"unsupported": expected} if isinstance(expected, str) else expected), (engine, precision)
+
+
+def test_a_precision_an_engine_cannot_express_is_skipped_with_its_reason():
+    """fp16 autocast without a grad scaler: the torch loop runs it; the libraries that tie the
+    scaler to fp16 autocast cannot be told it, and say so."""
+    unscaled = dataclasses.replace(PRECISIONS["fp16-mixed"], name="fp16-mixed-unscaled", grad_scaler=False)
+    assert ENGINES["torch"].unsupported_reason(unscaled) is None
+    assert ENGINES["torch"].settings(unscaled) == {"autocast": "float16"}
+    for engine in ("accelerate", "hf-trainer", "lightning"):
+        reason = ENGINES[engine].unsupported_reason(unscaled)
+        assert reason.startswith("Requires: [") and "float16 autocast without a grad scaler" in reason, reason
+        assert ENGINES[engine].settings(unscaled) == {"unsupported": reason}
     assert ENGINES["lightning"].unsupported_reason(PRECISIONS["bf16-true"]) is None
 
 

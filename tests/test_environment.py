@@ -3,7 +3,7 @@
 import os
 import stat
 
-from matrix import environment
+from matrix.devices import cuda
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:41:00.0"}
 T4 = {"index": 1, "name": "Tesla T4", "pci_bus_id": "00000000:01:00.0"}
@@ -11,19 +11,19 @@ T4 = {"index": 1, "name": "Tesla T4", "pci_bus_id": "00000000:01:00.0"}
 
 def test_different_gpus_without_bus_order_warn_and_name_the_chosen_one(monkeypatch):
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    (warning,) = environment.gpu_warnings((H100, T4), 1)
+    (warning,) = cuda.gpu_warnings((H100, T4), 1)
     assert "several different GPUs are visible (NVIDIA H100 80GB HBM3, Tesla T4)" in warning
     assert "the cells ran on cuda:1 = Tesla T4 (PCI 00000000:01:00.0)" in warning
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
-    assert environment.gpu_warnings((H100, T4), 0)
+    assert cuda.gpu_warnings((H100, T4), 0)
 
 
 def test_no_warning_with_bus_order_or_one_kind_of_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    assert environment.gpu_warnings((H100, T4), 0) == []
+    assert cuda.gpu_warnings((H100, T4), 0) == []
     monkeypatch.delenv("CUDA_DEVICE_ORDER")
-    assert environment.gpu_warnings((H100, {**H100, "index": 1}), 0) == []
-    assert environment.gpu_warnings((), None) == []
+    assert cuda.gpu_warnings((H100, {**H100, "index": 1}), 0) == []
+    assert cuda.gpu_warnings((), None) == []
 
 
 def test_driver_versions_come_from_nvidia_smi(tmp_path, monkeypatch):
@@ -34,6 +34,6 @@ def test_driver_versions_come_from_nvidia_smi(tmp_path, monkeypatch):
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert environment.nvidia_driver() == {"driver_version": "570.86.15", "driver_cuda_version": "12.8"}
+    assert cuda.nvidia_driver() == {"driver_version": "570.86.15", "driver_cuda_version": "12.8"}
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
-    assert environment.nvidia_driver() == {}
+    assert cuda.nvidia_driver() == {}

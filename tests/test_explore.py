@@ -13,18 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from matrix import catalogue, environment
-from matrix.cells import Cell
+from matrix.cell import Cell
 from matrix.engines import ENGINES
+from matrix.execute import run_cell
 from matrix.explore import Budget, Search, explore, simplify, why_needed
 from matrix.models import MODELS
-from matrix.phases import run_cell
+from matrix.results.files import SCHEMA_FILE
 from matrix.strategies import base_variant, explored_fields, variants
 from matrix.variants import Variant, from_json, to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a test about skipped cuda cells makes them skip, GPU or not
 BUILT_IN = ("tiny-transformer", "tiny-llama", "lora", "gemma-cache")
-SCHEMA = json.loads((ROOT / "matrix" / "results.schema.json").read_text())
+SCHEMA = json.loads(SCHEMA_FILE.read_text())
 ENCODER_TARGET = Cell("tiny-transformer", "bf16-mixed", "eval", "cpu", "torch")
 
 
@@ -225,14 +226,11 @@ def test_explore_run_writes_explorations_into_the_report(run_pytest, tmp_path):
 
 
 def test_a_finding_the_catalogue_does_not_explain_fails_its_target(run_pytest, tmp_path):
-    empty = tmp_path / "empty.toml"
-    empty.write_text("")
     done = run_pytest(
         "-k",
         "test_explore",
         "--explore",
-        "--catalogue",
-        str(empty),
+        "--no-builtin-catalogue",
         "--model",
         "tiny-transformer",
         "--precision",

@@ -14,12 +14,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import report
-from matrix.cells import Cell
-from matrix.html_report import html_report
+from matrix.cell import Cell
+from matrix.precisions import table
+from matrix.results import records as record_builders
+from matrix.results.document import results_document
+from matrix.results.files import SCHEMA_FILE
+from matrix.results.html import html_report
+from matrix.results.journal import json_safe
+from matrix.results.records import CellRecord
 from matrix.signatures import Signature
 
-SCHEMA = json.loads((Path(report.__file__).parent / "results.schema.json").read_text())
+SCHEMA = json.loads(SCHEMA_FILE.read_text())
 RUN = {
     "id": "run-html",
     "command": "pytest cases --device cpu",
@@ -97,7 +102,7 @@ def records() -> list[dict]:
             for mode in ("train", "eval"):
                 for engine in ("torch", "accelerate"):
                     cell = Cell(model, precision, mode, "cpu", engine)
-                    record = report._base_record(cell, "passed")
+                    record = CellRecord.of(cell, "passed").as_dict()
                     record["metrics"] = {"eval_loss": 1.25, "effective": {"autocast_dtype": None}}
                     if cell.id == KNOWN_CELL:
                         record.update(outcome="known", phase="evaluate", signature=KNOWN_SIG.as_dict())
@@ -109,12 +114,12 @@ def records() -> list[dict]:
                         record.update(outcome="fixed", known_failure=dict(ENTRY))
                     out.append(record)
                 cuda = Cell(model, precision, mode, "cuda", "torch")
-                out.append(report.skipped_record(cuda, "Requires: [CUDA device] (none visible)"))
+                out.append(record_builders.skipped_record(cuda, "Requires: [CUDA device] (none visible)").as_dict())
     return out
 
 
 def document(run=RUN, environment=ENV) -> dict:
-    return report.results_document(copy.deepcopy(run), copy.deepcopy(environment), records())
+    return results_document(copy.deepcopy(run), copy.deepcopy(environment), records(), (), table())
 
 
 # ------------------------------------------------------------------ a small DOM from html.parser
@@ -199,7 +204,7 @@ def detail_rows(dom: Node, cell_id: str) -> dict[str, Node]:
 
 
 def test_document_is_a_valid_results_document():
-    jsonschema.validate(report.json_safe(document()), SCHEMA)
+    jsonschema.validate(json_safe(document()), SCHEMA)
 
 
 def test_one_grid_per_device_and_engine_with_models_as_rows():

@@ -1,6 +1,6 @@
 """The run journal: what a reader sees while it grows, and after its writer died mid-line."""
 
-from matrix import journal
+from matrix.results import journal
 
 AXES = {"model": "lora", "precision": "fp32", "mode": "eval", "device": "cpu", "engine": "torch"}
 CELL = "lora-fp32-eval-cpu-torch"
@@ -8,10 +8,13 @@ CELL = "lora-fp32-eval-cpu-torch"
 
 def test_a_started_cell_without_a_record_is_in_flight(tmp_path):
     log = journal.Journal(tmp_path)
-    log.header({"id": "r"}, {"cpu": "x"})
-    log.started(CELL, AXES)
+    log.header({"id": "r"}, {"cpu": "x"}, {"fp32": {"weights_dtype": "float32"}})
+    log.started(CELL, AXES, "pytest 'cases/test_cells.py::test_cell[lora-fp32-eval-cpu-torch]'")
     tail = journal.Tail(tmp_path)
     assert list(tail.update().in_flight()) == [CELL]
+    # what a fold needs besides the records: the precision table and the cell's re-run command
+    assert tail.state.precisions == {"fp32": {"weights_dtype": "float32"}}
+    assert tail.state.reruns[CELL].startswith("pytest 'cases/test_cells.py::test_cell[")
     log.cell({"id": CELL, "outcome": "passed", "metrics": {"loss": float("nan")}})
     state = tail.update()  # only the new line is read
     assert state.in_flight() == {} and state.records[CELL]["metrics"]["loss"] == "nan"
@@ -20,7 +23,7 @@ def test_a_started_cell_without_a_record_is_in_flight(tmp_path):
 
 def test_a_torn_last_line_waits_for_its_end(tmp_path):
     log = journal.Journal(tmp_path)
-    log.header({"id": "r"}, {})
+    log.header({"id": "r"}, {}, {})
     log.started(CELL, AXES)
     log.close()
     with open(tmp_path / journal.JOURNAL, "a") as file:

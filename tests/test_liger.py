@@ -18,11 +18,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from matrix import stacks
-from matrix.cells import Cell
-from matrix.devices import triton_interpreted
+from matrix.cell import Cell
+from matrix.devices.cuda import triton_interpreted
+from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.models.liger_llama import REQUIRED, missing_packages
-from matrix.phases import run_cell
 from matrix.precisions import PRECISIONS
 from matrix.tolerances import eval_loss_tolerance
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.execute import run_cell
 from matrix.models import MODELS
-from matrix.phases import run_cell
 from matrix.precisions import PRECISIONS
 
 

@@ -13,9 +13,10 @@ import torch
 from lightning.pytorch.strategies import Strategy
 
 from matrix import checks
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.execute import run_cell
 from matrix.models import MODELS
-from matrix.phases import CellState, return_from_library_device, run_cell
+from matrix.phases import CellState, return_from_library_device
 from matrix.precisions import PRECISIONS
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from matrix.cells import Cell
+from matrix.cell import Cell
 from matrix.models import MODELS
 from matrix.phases import CellState, effective_settings
 from matrix.precisions import PRECISIONS
@@ -27,7 +27,7 @@ def test_only_the_simpletuner_policy_contradicts_itself():
 
 
 def test_a_contradiction_fails_in_configure_before_any_step(tmp_path):
-    from matrix.phases import run_cell
+    from matrix.execute import run_cell
 
     result = run_cell(Cell("tiny-llama", "bf16-loaded-mixed-fp32-grads", "train", "cpu"), tmp_path)
     assert (result.outcome, result.phase) == ("failed", "configure")
@@ -37,7 +37,7 @@ def test_a_contradiction_fails_in_configure_before_any_step(tmp_path):
 
 
 def test_run_anyway_records_what_torch_raises_and_where(tmp_path):
-    from matrix.phases import run_cell
+    from matrix.execute import run_cell
 
     result = run_cell(
         Cell("tiny-llama", "bf16-loaded-mixed-fp32-grads", "train", "cpu"), tmp_path, run_contradictory=True

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from matrix import catalogue, environment
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.models.minilm_bert import PIP_NAME, SENTENCES, model_directory
 from matrix.models.tiny_llama import TinyLlama
-from matrix.phases import run_cell
 
 KIND = MODELS["minilm-bert"]
 needs_wheel = pytest.mark.skipif(model_directory() is None, reason=f"Requires: [{PIP_NAME}] (nox -s real installs it)")
@@ -57,9 +57,11 @@ class UsersPretrainedLlama(TinyLlama):
         return super().build(precision, device, workdir).eval()
 
 
-def test_lightning_training_a_model_left_in_eval_mode_is_the_known_class_for_a_users_kind(monkeypatch, tmp_path):
+def test_lightning_training_a_model_left_in_eval_mode_is_the_known_class_for_a_users_kind(
+    monkeypatch, tmp_path, registered
+):
     kind = UsersPretrainedLlama()
-    monkeypatch.setitem(MODELS, kind.name, kind)
+    registered(MODELS, kind)
     cell = Cell(kind.name, "fp32", "train", "cpu", "lightning")
     result = run_cell(cell, tmp_path)
     assert result.metrics["effective"]["model_training_in_first_forward"] is False

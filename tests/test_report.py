@@ -9,11 +9,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import journal, report
-from matrix.cells import Cell
+from matrix.cell import Cell
+from matrix.precisions import table
+from matrix.results import journal
+from matrix.results import records as record_builders
+from matrix.results.document import results_document
+from matrix.results.journal import json_safe
+from matrix.results.markdown import summary_markdown
+from matrix.results.records import CellRecord
+from matrix.results.run_directory import write_report
 from matrix.signatures import Signature
 
-SCHEMA = json.loads((Path(report.__file__).parent / "results.schema.json").read_text())
+SCHEMA = json.loads((Path(results_document.__code__.co_filename).parent / "results.schema.json").read_text())
 RUN = {
     "id": "run-a",
     "command": "pytest cases",
@@ -42,22 +49,24 @@ SIG = Signature(
 
 
 def failed(cell):
-    record = report._base_record(cell, "failed")
+    record = CellRecord.of(cell, "failed").as_dict()
     record.update(phase="evaluate", signature=SIG.as_dict(), message="RuntimeError: <b>expected</b> | pipe")
     return record
 
 
 def records():
     return [
-        report._base_record(Cell("tiny-llama", "fp32", "eval", "cpu"), "passed"),
+        CellRecord.of(Cell("tiny-llama", "fp32", "eval", "cpu"), "passed").as_dict(),
         failed(Cell("tiny-transformer", "bf16-mixed", "eval", "cpu")),
         failed(Cell("tiny-transformer", "bf16-mixed", "train", "cpu")),
-        report.skipped_record(Cell("tiny-llama", "fp32", "eval", "cuda"), "Requires: [CUDA device] (none visible)"),
+        record_builders.skipped_record(
+            Cell("tiny-llama", "fp32", "eval", "cuda"), "Requires: [CUDA device] (none visible)"
+        ).as_dict(),
     ]
 
 
 def test_results_json_follows_the_schema(tmp_path):
-    directory = report.write_report(tmp_path, RUN, ENV, records())
+    directory = write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
     document = json.loads((directory / "results.json").read_text())
     jsonschema.validate(document, SCHEMA)
     assert document["counts"] == {"passed": 1, "known": 0, "fixed": 0, "failed": 2, "skipped": 1}
@@ -68,14 +77,14 @@ def test_results_json_follows_the_schema(tmp_path):
 
 
 def test_schema_rejects_a_failed_cell_without_signature(tmp_path):
-    document = report.results_document(RUN, ENV, records())
+    document = results_document(RUN, ENV, records(), (), table())
     document["cells"][0]["outcome"] = "failed"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(document, SCHEMA)
 
 
 def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
-    directory = report.write_report(tmp_path, RUN, ENV, records())
+    directory = write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
     summary = (directory / "summary.md").read_text()
     assert "## cpu · eval" in summary and "## cuda · eval" in summary and "## cpu · train" in summary
     assert f"| tiny-transformer | torch | ❌ `{SIG.id}` (evaluate) |" in summary
@@ -87,7 +96,7 @@ def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
 
 
 def test_junit_counts_and_escapes(tmp_path):
-    directory = report.write_report(tmp_path, RUN, ENV, records())
+    directory = write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
     suite = ElementTree.parse(directory / "junit.xml").getroot()
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "2", "1")
     failure = suite.find("testcase[@name='tiny-transformer-bf16-mixed-eval-cpu-torch']/failure")
@@ -96,22 +105,22 @@ def test_junit_counts_and_escapes(tmp_path):
 
 
 def test_a_run_directory_is_never_overwritten(tmp_path):
-    first = report.write_report(tmp_path, RUN, ENV, records())
+    first = write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
     before = (first / "results.json").read_text()
     with pytest.raises(FileExistsError):
-        report.write_report(tmp_path, RUN, ENV, records()[:1])
+        write_report(tmp_path, results_document(RUN, ENV, records()[:1], (), table()))
     assert (first / "results.json").read_text() == before
 
 
 def test_latest_points_at_the_newest_run(tmp_path):
-    report.write_report(tmp_path, RUN, ENV, records())
-    second = report.write_report(tmp_path, {**RUN, "id": "run-b"}, ENV, records())
+    write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
+    second = write_report(tmp_path, results_document({**RUN, "id": "run-b"}, ENV, records(), (), table()))
     assert (tmp_path / "latest").resolve() == second.resolve()
 
 
 @given(st.floats(allow_nan=True, allow_infinity=True))
 def test_metrics_stay_strict_json(value):
-    text = json.dumps(report.json_safe({"metrics": {"x": value, "xs": [value]}}), allow_nan=False)
+    text = json.dumps(json_safe({"metrics": {"x": value, "xs": [value]}}), allow_nan=False)
     assert json.loads(text)["metrics"]["x"] in (value, str(value))
 
 
@@ -133,10 +142,10 @@ def test_summary_says_which_gpu_the_cuda_cells_ran_on():
     ]
     env = {**ENV, "cuda_devices": gpus, "selected_cuda_device": 1, "driver_version": "570.86.15"}
     env["warnings"] = ["several different GPUs are visible"]
-    text = report.summary_markdown(report.results_document(RUN, env, records()))
+    text = summary_markdown(results_document(RUN, env, records(), (), table()))
     assert "- cuda cells ran on: cuda:1 NVIDIA A100-SXM4-40GB, PCI 00000000:41:00.0; driver 570.86.15" in text
     assert "- **warning:** several different GPUs are visible" in text
-    per_worker = report.summary_markdown(report.results_document({**RUN, "cuda_device": "per-worker"}, env, records()))
+    per_worker = summary_markdown(results_document({**RUN, "cuda_device": "per-worker"}, env, records(), (), table()))
     assert "each xdist worker on its own GPU" in per_worker
 
 
@@ -148,10 +157,10 @@ def test_new_failures_are_grouped_by_signature_with_their_cells_folded():
         for precision in ("fp32", "bf16-mixed", "bf16-true"):
             cells.append(failed(Cell(model, precision, "eval", "cuda", "lightning")))
     for engine in ("torch", "accelerate"):
-        record = report._base_record(Cell("tiny-llama", "fp32", "train", "cuda", engine), "failed")
+        record = CellRecord.of(Cell("tiny-llama", "fp32", "train", "cuda", engine), "failed").as_dict()
         record.update(phase="train_steps", signature=other.as_dict())
         cells.append(record)
-    text = report.summary_markdown(report.results_document(RUN, ENV, cells))
+    text = summary_markdown(results_document(RUN, ENV, cells, (), table()))
     section = text.split("## New failures (no catalogue entry explains them)")[1].split("\n## ")[0]
     items = [line for line in section.splitlines() if line.startswith("- ")]
     assert items == [

@@ -17,9 +17,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from matrix.results.files import SCHEMA_FILE
+
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
-SCHEMA = json.loads((ROOT / "matrix" / "results.schema.json").read_text())
+SCHEMA = json.loads(SCHEMA_FILE.read_text())
 CELLS = ("--precision", "fp32,bf16-true", "--engine", "torch", "--device", "cpu", "-p", "no:cacheprovider")
 
 

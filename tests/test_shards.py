@@ -11,10 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_report import ENV, RUN
 
-from matrix import report
-from matrix.cells import Cell, SelectionError, parse_shard, shard_cells
-from matrix.devices import resolve_cuda_index
-from matrix.merge import MergeError, merge
+from matrix.cell import Cell, SelectionError
+from matrix.devices import resolve_index
+from matrix.precisions import table
+from matrix.results.document import results_document
+from matrix.results.files import SCHEMA_FILE
+from matrix.results.merge import MergeError, merge
+from matrix.results.records import CellRecord
+from matrix.shards import parse_shard, shard_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a test about skipped cuda cells makes them skip, GPU or not
@@ -40,12 +44,12 @@ def test_shard_parsing():
 
 
 def test_per_worker_gpu_pinning():
-    assert [resolve_cuda_index("per-worker", f"gw{k}", 2) for k in range(5)] == [0, 1, 0, 1, 0]
-    assert resolve_cuda_index("per-worker", None, 4) == 0  # no xdist: the first GPU
-    assert resolve_cuda_index("per-worker", "gw3", 0) == 0  # no GPU: cuda cells skip anyway
-    assert resolve_cuda_index("2", "gw1", 4) == 2  # an explicit index wins on every worker
+    assert [resolve_index("per-worker", f"gw{k}", 2) for k in range(5)] == [0, 1, 0, 1, 0]
+    assert resolve_index("per-worker", None, 4) == 0  # no xdist: the first GPU
+    assert resolve_index("per-worker", "gw3", 0) == 0  # no GPU: cuda cells skip anyway
+    assert resolve_index("2", "gw1", 4) == 2  # an explicit index wins on every worker
     with pytest.raises(ValueError, match="--cuda-device: 'gpu1'"):
-        resolve_cuda_index("gpu1", None, 1)
+        resolve_index("gpu1", None, 1)
 
 
 def results(directory: Path) -> dict:
@@ -147,7 +151,7 @@ def test_merge_refuses_overlap_and_an_existing_output(shard_runs, tmp_path):
 
 
 def gpu_cell(model: str, gpu: str) -> dict:
-    record = report._base_record(Cell(model, "bf16-mixed", "eval", "cuda"), "passed")
+    record = CellRecord.of(Cell(model, "bf16-mixed", "eval", "cuda"), "passed").as_dict()
     record.update(cuda_index=0, device_name=gpu)
     return record
 
@@ -159,7 +163,7 @@ def test_different_gpus_keep_their_own_columns(tmp_path):
         directory.mkdir()
         run = {**RUN, "id": f"run{n}", "shard": f"{n + 1}/2"}
         cells = [gpu_cell("tiny-llama", gpu), gpu_cell("tiny-transformer", gpu)]
-        (directory / "results.json").write_text(json.dumps(report.results_document(run, ENV, cells)))
+        (directory / "results.json").write_text(json.dumps(results_document(run, ENV, cells, (), table())))
         paths.append(directory)
     document = merge(paths)
     assert sorted({c["device"] for c in document["cells"]}) == ["cuda-a100-sxm4-40gb", "cuda-h100-80gb-hbm3"]
@@ -173,7 +177,7 @@ def test_each_cell_records_where_it_ran_and_how_to_rerun_it(shard_runs):
     import jsonschema
 
     document = results(shard_runs / "whole")
-    schema = json.loads((ROOT / "matrix" / "results.schema.json").read_text())
+    schema = json.loads(SCHEMA_FILE.read_text())
     jsonschema.validate(document, schema)
     for cell in document["cells"]:
         assert cell["rerun"] == f"pytest 'cases/test_cells.py::test_cell[{cell['id']}]'"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from matrix import devices
+from matrix.devices import DEVICES, cuda
 from matrix.precisions import PRECISIONS
 
 OLD_GPU = (
@@ -16,21 +16,21 @@ NEW_GPU = (
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_cpu_runs_every_precision_with_todays_torch(precision):
-    assert devices.skip_reason("cpu", PRECISIONS[precision]) is None
+    assert DEVICES["cpu"].skip_reason(PRECISIONS[precision]) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Requires: [no CUDA device] (this machine has one)")
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_cuda_cells_skip_without_a_gpu_naming_it(precision):
-    reason = devices.skip_reason("cuda", PRECISIONS[precision])
+    reason = DEVICES["cuda"].skip_reason(PRECISIONS[precision])
     assert reason.startswith("Requires: [CUDA device]")
     assert torch.__version__ in reason
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_bf16_cells_skip_on_a_gpu_without_native_bf16(monkeypatch, precision):
-    monkeypatch.setattr(devices, "cuda_devices", lambda: OLD_GPU)
-    reason = devices.skip_reason("cuda", PRECISIONS[precision])
+    monkeypatch.setattr(cuda, "cuda_devices", lambda: OLD_GPU)
+    reason = DEVICES["cuda"].skip_reason(PRECISIONS[precision])
     if torch.bfloat16 in PRECISIONS[precision].half_dtypes:
         assert reason.startswith("Requires: [CUDA device with native bf16 (compute capability >= 8.0)]")
         assert "Tesla T4" in reason and "7.5" in reason
@@ -40,16 +40,13 @@ def test_bf16_cells_skip_on_a_gpu_without_native_bf16(monkeypatch, precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_modern_gpu_runs_everything(monkeypatch, precision):
-    monkeypatch.setattr(devices, "cuda_devices", lambda: NEW_GPU)
-    assert devices.skip_reason("cuda", PRECISIONS[precision]) is None
+    monkeypatch.setattr(cuda, "cuda_devices", lambda: NEW_GPU)
+    assert DEVICES["cuda"].skip_reason(PRECISIONS[precision]) is None
 
 
 def test_a_missing_gpu_index_is_named(monkeypatch):
-    monkeypatch.setattr(devices, "cuda_devices", lambda: NEW_GPU)
-    assert (
-        devices.skip_reason("cuda", PRECISIONS["fp32"], cuda_index=3)
-        == "Requires: [CUDA device cuda:3] (only 1 visible)"
-    )
+    monkeypatch.setattr(cuda, "cuda_devices", lambda: NEW_GPU)
+    assert DEVICES["cuda"].skip_reason(PRECISIONS["fp32"], 3) == "Requires: [CUDA device cuda:3] (only 1 visible)"
 
 
 def test_skip_reasons_reach_the_report(run_pytest, tmp_path):

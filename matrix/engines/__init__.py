@@ -1,16 +1,15 @@
-"""The engine axis: what drives a cell's phases. `torch` is a hand-written loop; the others
-run the real library (accelerate, the transformers Trainer, Lightning)."""
+"""The engine axis: what drives a cell's phases, one file each. `torch` is a hand-written loop;
+the others run the real library (accelerate, the transformers Trainer, Lightning).
+
+A new engine is one file here (an Engine subclass and a register() call) plus its library in
+pyproject.toml; a user's engine registers from their plugin.
+"""
 
 from __future__ import annotations
 
-from matrix.engines.accelerate_loop import AccelerateEngine
-from matrix.engines.base import Engine
-from matrix.engines.hf_trainer import HFTrainerEngine
-from matrix.engines.lightning_loop import LightningEngine
-from matrix.engines.torch_loop import TorchEngine
+from matrix.engines.base import ENGINES, Engine, Unsupported, register
+from matrix.registry import load_modules
 
-ENGINES: dict[str, Engine] = {
-    engine.name: engine for engine in (TorchEngine(), AccelerateEngine(), HFTrainerEngine(), LightningEngine())
-}
+load_modules(__name__)
 
-__all__ = ["ENGINES", "Engine"]
+__all__ = ["ENGINES", "Engine", "Unsupported", "register"]

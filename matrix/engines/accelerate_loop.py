@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from matrix import checks
-from matrix.engines.base import Engine
+from matrix.engines.base import Engine, Unsupported, autocast_with_scaler, no_separate_gradients, register
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -25,11 +25,11 @@ from matrix.phases import (
     snapshot_trainable,
     train_until_applied,
 )
+from matrix.precisions import Precision
 
 
 def _accelerator(state: CellState) -> Accelerator:
-    if state.device.type == "cuda":
-        torch.cuda.set_device(state.device)
+    state.device_kind.activate(state.device)
     settings = state.metrics["engine_settings"]
     accelerator = Accelerator(mixed_precision=settings["mixed_precision"], cpu=state.device.type == "cpu")
     state.metrics["engine_effective"] = {
@@ -124,8 +124,25 @@ class AccelerateEngine(Engine):
     name = "accelerate"
     description = "accelerate.Accelerator: prepare, backward, save_state/load_state"
 
-    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    axis_position = 1
+    train_steps = staticmethod(train_steps)
+    mid_training_eval = staticmethod(mid_training_eval)
+    checkpoint_save = staticmethod(checkpoint_save)
+    checkpoint_reload = staticmethod(checkpoint_reload)
+    resumed_step = staticmethod(resumed_step)
+    evaluate = staticmethod(evaluate)
+
+    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+        what = "an accelerate setting"
+        unsupported = no_separate_gradients(self.name, what, precision) or autocast_with_scaler(what, precision)
+        if unsupported:
+            return unsupported
+        return {
+            "mixed_precision": {None: "no", torch.float16: "fp16", torch.bfloat16: "bf16"}[precision.autocast_dtype]
+        }
 
     def cleanup(self, state: CellState) -> None:
         reset_accelerate(state)
+
+
+register(AccelerateEngine())

@@ -1,17 +1,26 @@
-"""What an engine provides: one function per phase name (matrix/phases.py PHASE_NAMES), the
-settings a precision becomes in the engine's own terms (matrix/engines/settings.py), and the
-clean-up of whatever global state the engine's library keeps."""
+"""What an engine is: a class with one method per phase (matrix/phases.py PHASE_NAMES), the
+settings it derives from a precision in its library's own terms, and the clean-up of
+whatever global state that library keeps.
+
+A new engine is one file in matrix/engines/ that subclasses Engine and calls register()
+(plus its library in pyproject.toml); a user's engine registers from their plugin.
+"""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from dataclasses import dataclass
 
-from matrix.engines.settings import ENGINE_SETTINGS, Unsupported
 from matrix.phases import PHASE_NAMES, CellState
-from matrix.precisions import Precision
+from matrix.precisions import Precision, dtype_name
+from matrix.registry import Registry
 
-Phase = Callable[[CellState], None]
+
+@dataclass(frozen=True)
+class Unsupported:
+    """An engine cannot express a precision: its cells skip with this reason ("Requires: [...]")."""
+
+    reason: str
 
 
 def run_tagged(call, tracker):
@@ -25,32 +34,69 @@ def run_tagged(call, tracker):
 
 
 class Engine(abc.ABC):
+    """One value of the engine axis. Subclasses define a method per phase name (train_steps,
+    mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step; evaluate), each taking
+    the cell's CellState, and derive_settings()."""
+
     name: str
+    axis_position: int  # place in the axis' order (a user's engine: after the built-in ones)
     description: str
-    # one function per phase name, in PHASE_NAMES order (functions named after their phase)
-    train_phases: tuple[Phase, ...]
-    eval_phases: tuple[Phase, ...]
     # Variant fields (matrix/variants.py) the engine does not implement: exploration keeps
     # them at the grid's value for this engine. Micro-batch accumulation is wired only where
     # an engine says so.
     fixed_variant_fields: tuple[str, ...] = ("grad_accumulation",)
 
-    def phases(self, mode: str) -> dict[str, Phase]:
-        """Phase name -> function, for every phase of the mode."""
-        functions = self.train_phases if mode == "train" else self.eval_phases
-        table = {function.__name__: function for function in functions}
-        if tuple(table) != PHASE_NAMES[mode]:
-            raise ValueError(f"{self.name}: {mode} phases {tuple(table)} are not {PHASE_NAMES[mode]}")
-        return table
+    def phases(self, mode: str) -> dict:
+        """Phase name -> bound method, for every phase of the mode."""
+        missing = [name for name in PHASE_NAMES[mode] if not callable(getattr(self, name, None))]
+        if missing:
+            raise TypeError(f"engine {self.name!r} has no method for the {mode} phase(s) {', '.join(missing)}")
+        return {name: getattr(self, name) for name in PHASE_NAMES[mode]}
+
+    @abc.abstractmethod
+    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+        """What `precision` (its autocast dtype, grad scaler, weights dtype, gradient dtype and
+        accumulation) is called in this engine's library, or Unsupported(reason). The weights
+        dtype itself is set by the cell in every engine (Precision.weights_from)."""
 
     def settings(self, precision: Precision) -> dict:
-        entry = ENGINE_SETTINGS[precision.name][self.name]
-        return {"unsupported": entry.reason} if isinstance(entry, Unsupported) else dict(entry)
+        derived = self.derive_settings(precision)
+        return {"unsupported": derived.reason} if isinstance(derived, Unsupported) else derived
 
     def unsupported_reason(self, precision: Precision) -> str | None:
-        entry = ENGINE_SETTINGS[precision.name][self.name]
-        return entry.reason if isinstance(entry, Unsupported) else None
+        derived = self.derive_settings(precision)
+        return derived.reason if isinstance(derived, Unsupported) else None
+
+    def kind_skip_reason(self, kind) -> str | None:
+        """Why this engine cannot drive a model kind ("Requires: [...] (...)"), or None."""
+        return None
 
     def cleanup(self, state: CellState) -> None:
         """Reset the library's global state after a cell (the torch engine keeps none)."""
         return None
+
+
+ENGINES: Registry[Engine] = Registry("engine", Engine)
+register = ENGINES.register
+
+
+def autocast_with_scaler(what: str, precision: Precision) -> Unsupported | None:
+    """The libraries that take one mixed-precision switch tie the grad scaler to fp16 autocast:
+    a precision that pairs them otherwise cannot be said to them."""
+    import torch
+
+    scaled = precision.autocast_dtype == torch.float16
+    if precision.grad_scaler != scaled:
+        has = "with" if precision.grad_scaler else "without"
+        autocast = dtype_name(precision.autocast_dtype) if precision.autocast_dtype else "no"
+        return Unsupported(f"Requires: [{what} for {autocast} autocast {has} a grad scaler]")
+    return None
+
+
+def no_separate_gradients(engine: str, what: str, precision: Precision) -> Unsupported | None:
+    """An engine whose library keeps gradients in the weights' dtype, one micro-batch per step."""
+    if precision.grad_dtype is not None:
+        return Unsupported(f"Requires: [{what} for gradients in another dtype than the weights]")
+    if precision.grad_accumulation > 1:
+        return Unsupported(f"Requires: [micro-batch accumulation wired into the {engine} engine]")
+    return None

@@ -7,14 +7,18 @@ step 3); a callback follows which one it is in, so a failure is attributed to it
 
 from __future__ import annotations
 
+import functools
+import inspect
+import tempfile
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from matrix import checks
 from matrix.engines.accelerate_loop import reset_accelerate
-from matrix.engines.base import Engine, run_tagged
+from matrix.engines.base import Engine, Unsupported, autocast_with_scaler, no_separate_gradients, register, run_tagged
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -28,6 +32,7 @@ from matrix.phases import (
     same_weights_copy,
     snapshot_trainable,
 )
+from matrix.precisions import PRECISIONS, Precision
 
 
 class Rows(torch.utils.data.Dataset):
@@ -89,6 +94,33 @@ class RecordingTrainer(Trainer):
         return loss
 
 
+@functools.cache
+def _forward_parameters(kind_type: type, kind_name: str) -> tuple[set[str], bool, set[str]]:
+    from matrix.models import MODELS
+
+    kind = MODELS[kind_name]
+    with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as workdir:
+        model = kind.build(PRECISIONS["fp32"], torch.device("cpu"), Path(workdir))
+    parameters = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return set(parameters), takes_any, set(kind.batch(torch.device("cpu")))
+
+
+def forward_skip_reason(kind) -> str | None:
+    """The Trainer calls model(**batch) with the labels in the batch and trains on the loss the
+    model returns: a kind whose forward does not take the batch's keys cannot be trained by it."""
+    if kind.skip_reason("cpu"):  # it cannot be built here at all: its own reason says why
+        return None
+    names, takes_any, keys = _forward_parameters(type(kind), kind.name)
+    missing = sorted(keys - names) if not takes_any else []
+    if missing:
+        return (
+            "Requires: [a model whose forward(**batch) takes the batch's keys, labels included, and returns the "
+            f"loss] ({kind.name}'s forward does not take {', '.join(missing)})"
+        )
+    return None
+
+
 def _arguments(state: CellState, max_steps: int) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(state.workdir / "trainer"),
@@ -115,8 +147,7 @@ def _arguments(state: CellState, max_steps: int) -> TrainingArguments:
 
 
 def _trainer(state: CellState, model, max_steps: int) -> RecordingTrainer:
-    if state.device.type == "cuda":
-        torch.cuda.set_device(state.device)
+    state.device_kind.activate(state.device)
     rows = state.engine_state.setdefault("rows", Rows(state.batch))
     tracker = PhaseTracker()
     trainer = RecordingTrainer(
@@ -224,9 +255,27 @@ class HFTrainerEngine(Engine):
     name = "hf-trainer"
     description = "transformers Trainer: train() with eval/save on a step schedule, resume_from_checkpoint"
 
-    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    axis_position = 2
+    train_steps = staticmethod(train_steps)
+    mid_training_eval = staticmethod(mid_training_eval)
+    checkpoint_save = staticmethod(checkpoint_save)
+    checkpoint_reload = staticmethod(checkpoint_reload)
+    resumed_step = staticmethod(resumed_step)
+    evaluate = staticmethod(evaluate)
+
+    def kind_skip_reason(self, kind) -> str | None:
+        return forward_skip_reason(kind)
+
+    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+        what = "a TrainingArguments setting"
+        unsupported = no_separate_gradients(self.name, what, precision) or autocast_with_scaler(what, precision)
+        if unsupported:
+            return unsupported
+        return {"fp16": precision.autocast_dtype == torch.float16, "bf16": precision.autocast_dtype == torch.bfloat16}
 
     def cleanup(self, state: CellState) -> None:
         reset_accelerate(state)  # the Trainer runs on accelerate's process-wide state
         state.engine_state.clear()
+
+
+register(HFTrainerEngine())

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from matrix import checks
-from matrix.engines.base import Engine, run_tagged
+from matrix.engines.base import Engine, Unsupported, autocast_with_scaler, no_separate_gradients, register, run_tagged
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -28,6 +28,7 @@ from matrix.phases import (
     return_from_library_device,
     snapshot_trainable,
 )
+from matrix.precisions import Precision
 
 for _name in ("lightning.pytorch", "lightning.fabric", "lightning"):
     logging.getLogger(_name).setLevel(logging.WARNING)  # "GPU available: False ..." per cell
@@ -94,8 +95,8 @@ def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
         dirpath=state.workdir / "lightning", filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
     )
     trainer = L.Trainer(
-        accelerator="gpu" if state.device.type == "cuda" else "cpu",
-        devices=[state.device.index or 0] if state.device.type == "cuda" else 1,
+        accelerator=state.device.type,  # Lightning's names for cpu, cuda, mps are torch's
+        devices=[state.device.index or 0] if state.device_kind.indexed else 1,
         precision=state.metrics["engine_settings"]["precision"],
         max_steps=max_steps,
         check_val_every_n_epoch=TRAIN_STEPS,  # one batch per epoch: validation after step 3
@@ -207,8 +208,26 @@ class LightningEngine(Engine):
     name = "lightning"
     description = "Lightning Trainer(precision=...): fit with validation, ModelCheckpoint, resume"
 
-    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    axis_position = 3
+    train_steps = staticmethod(train_steps)
+    mid_training_eval = staticmethod(mid_training_eval)
+    checkpoint_save = staticmethod(checkpoint_save)
+    checkpoint_reload = staticmethod(checkpoint_reload)
+    resumed_step = staticmethod(resumed_step)
+    evaluate = staticmethod(evaluate)
+
+    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+        what = "a Lightning precision"
+        unsupported = no_separate_gradients(self.name, what, precision) or autocast_with_scaler(what, precision)
+        if unsupported:
+            return unsupported
+        if precision.autocast_dtype is not None:  # Lightning's mixed plugins autocast over the weights as built
+            return {"precision": {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}[precision.autocast_dtype]}
+        true = {torch.float32: "32-true", torch.float16: "16-true", torch.bfloat16: "bf16-true"}
+        return {"precision": true[precision.weights_dtype]}
 
     def cleanup(self, state: CellState) -> None:
         state.engine_state.clear()
+
+
+register(LightningEngine())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from matrix import checks
-from matrix.engines.base import Engine
+from matrix.engines.base import Engine, register
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -18,6 +18,7 @@ from matrix.phases import (
     snapshot_trainable,
     train_until_applied,
 )
+from matrix.precisions import Precision, dtype_name
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -118,6 +119,27 @@ class TorchEngine(Engine):
     name = "torch"
     description = "hand-written loop: torch.autocast, torch.amp.GradScaler, AdamW"
 
-    train_phases = (train_steps, mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step)
-    eval_phases = (evaluate, checkpoint_save, checkpoint_reload)
+    axis_position = 0
+    train_steps = staticmethod(train_steps)
+    mid_training_eval = staticmethod(mid_training_eval)
+    checkpoint_save = staticmethod(checkpoint_save)
+    checkpoint_reload = staticmethod(checkpoint_reload)
+    resumed_step = staticmethod(resumed_step)
+    evaluate = staticmethod(evaluate)
+
+    def derive_settings(self, precision: Precision) -> dict:
+        settings: dict = {}
+        if precision.autocast_dtype is not None:
+            settings["autocast"] = dtype_name(precision.autocast_dtype)
+        if precision.grad_scaler:
+            settings["grad_scaler"] = True
+        if precision.grad_dtype is not None:
+            settings["grad_dtype"] = dtype_name(precision.grad_dtype)
+        if precision.grad_accumulation > 1:
+            settings["grad_accumulation"] = precision.grad_accumulation
+        return settings
+
     fixed_variant_fields = ()  # _train_step accumulates the precision's (or variant's) micro-batches
+
+
+register(TorchEngine())

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from matrix.precisions import Precision
+from matrix.registry import Registry
 from matrix.variants import MAX_POSITIONS, InvalidVariant, Variant, check_common
 
 # What no variant changes. The sizes the grid runs with are Variant's defaults
@@ -83,6 +84,15 @@ class ModelKind(abc.ABC):
     def variant(self) -> Variant:
         return self.__dict__.get("_variant", self.grid_variant)
 
+    def standalone_code(self) -> str:
+        """Code defining create(), save(), load_weights(), loss_of() and evaluate_model() for a
+        standalone reproduction script (python -m matrix repro). A built-in kind writes itself
+        out with the upstream libraries alone; by default a kind is built through its own
+        module (a plugin's kind: the script imports that module)."""
+        from matrix.models.standalone import plugin_code
+
+        return plugin_code(self)
+
     def with_variant(self, variant: Variant) -> ModelKind:
         """This kind built and fed with another variant's settings (after check_variant)."""
         self.check_variant(variant)
@@ -147,3 +157,7 @@ class ModelKind(abc.ABC):
     def precision_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Parameters that must be in the precision's weights dtype (all of them, by default)."""
         return dict(model.named_parameters())
+
+
+MODELS: Registry[ModelKind] = Registry("model kind", ModelKind)
+register = MODELS.register

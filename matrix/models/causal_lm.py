@@ -76,6 +76,11 @@ class CausalLMKind(base.ModelKind):
     traits = frozenset({"full-weights", "loaded-from-pretrained"})  # load_weights: from_pretrained()
     generate_tokens = 0  # > 0: evaluation also runs generate()
 
+    def standalone_code(self) -> str:
+        from matrix.models.standalone import decoder_code
+
+        return decoder_code(self, base.PAD_TOKEN_ID, DTYPE_ARGUMENT)
+
     def config_kwargs(self) -> dict:
         return decoder_config(self.variant)
 

@@ -3,12 +3,14 @@ layers, KV cache on in evaluation, and generate() as part of evaluating (seed 00
 
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+from matrix.models.base import register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
 from matrix.variants import InvalidVariant, Variant
 
 
 class GemmaCache(CausalLMKind):
     name = "gemma-cache"
+    axis_position = 3
     description = "transformers Gemma3ForCausalLM, sliding + global layers, KV cache, generate()"
     model_class = Gemma3ForCausalLM
     config_class = Gemma3TextConfig
@@ -38,3 +40,6 @@ class GemmaCache(CausalLMKind):
             "sliding_window_pattern": 2,
             "use_cache": True,
         }
+
+
+register(GemmaCache())

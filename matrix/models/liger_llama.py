@@ -10,7 +10,7 @@ loss and the lm_head and hidden-state gradients chunk by chunk in its forward. I
 it computes logits and the usual loss.
 
 Liger's kernels are Triton kernels. Without a GPU they run in Triton's interpreter
-(TRITON_INTERPRET=1, which conftest.py sets before triton is imported; matrix/devices.py):
+(TRITON_INTERPRET=1, which the pytest plugin sets before triton is imported; matrix/devices/cuda.py):
 the Python side of Liger's op,
 the dtype decisions and the matmuls around the kernels, runs as written. One thing differs
 from a GPU and matters for seed 002: Liger up to 0.3.1 chooses its dtype with
@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib.util
 import types
 
-from matrix.devices import triton_interpreted
+from matrix.devices.cuda import triton_interpreted
+from matrix.models.base import register
 from matrix.models.tiny_llama import TinyLlama
 
 # import name -> the name pip knows it by
@@ -42,7 +43,13 @@ def liger_lce_forward():
 
 class LigerLlama(TinyLlama):
     name = "liger-llama"
+    axis_position = 4
     description = "tiny-llama with Liger-Kernel's fused linear cross entropy forward (Triton; interpreter on CPU)"
+
+    def standalone_code(self) -> str:
+        from matrix.models.standalone import LIGER
+
+        return super().standalone_code() + LIGER
 
     def skip_reason(self, device: str) -> str | None:
         missing = missing_packages()
@@ -51,7 +58,7 @@ class LigerLlama(TinyLlama):
         if device == "cpu" and not triton_interpreted():
             return (
                 "Requires: [Triton's interpreter for CPU tensors] (TRITON_INTERPRET=1 is not set for this "
-                "process; conftest.py sets it where no GPU is visible)"
+                "process; the pytest plugin sets it where no GPU is visible)"
             )
         return None
 
@@ -64,3 +71,6 @@ class LigerLlama(TinyLlama):
 
     def load_weights(self, directory, dtype, device):
         return self.with_liger(super().load_weights(directory, dtype, device))
+
+
+register(LigerLlama())

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from matrix.models.base import INIT_SEED
+from matrix.models.base import INIT_SEED, register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
 from matrix.models.tiny_llama import TinyLlama
 from matrix.variants import LORA_MODULES, InvalidVariant, Variant
@@ -18,10 +18,16 @@ from matrix.variants import LORA_MODULES, InvalidVariant, Variant
 
 class Lora(CausalLMKind):
     name = "lora"
+    axis_position = 2
     description = "peft LoRA (r=4, q_proj/v_proj) on tiny-llama"
     variant_fields = (*DECODER_FIELDS, "lora_rank", "lora_targets")
     traits = frozenset({"adapters"})
     base_kind = TinyLlama()
+
+    def standalone_code(self) -> str:
+        from matrix.models.standalone import lora_code
+
+        return self.base.standalone_code() + lora_code(self.variant)
 
     @property
     def base(self) -> TinyLlama:
@@ -65,3 +71,6 @@ class Lora(CausalLMKind):
 
     def precision_weights(self, model):
         return {name: p for name, p in model.named_parameters() if "lora_" not in name}
+
+
+register(Lora())

@@ -20,6 +20,7 @@ import transformers
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 from matrix.models import base
+from matrix.models.base import register
 from matrix.models.causal_lm import DTYPE_ARGUMENT
 from matrix.variants import InvalidVariant, Variant
 
@@ -56,6 +57,7 @@ def tokenized() -> dict[str, torch.Tensor]:
 
 class MiniLMBert(base.ModelKind):
     name = "minilm-bert"
+    axis_position = 5
     description = "sentence-transformers/all-MiniLM-L6-v2 (pretrained BERT, 22M, dropout 0.1), 3-label head"
     # the batch is 8 tokenized sentences, padded on the right by the tokenizer
     grid_variant = Variant(padding="right", dropout=0.1)
@@ -101,3 +103,6 @@ class MiniLMBert(base.ModelKind):
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
         return BertForSequenceClassification.from_pretrained(directory, **{DTYPE_ARGUMENT: dtype}).to(device)
+
+
+register(MiniLMBert())

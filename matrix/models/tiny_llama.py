@@ -2,12 +2,14 @@
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from matrix.models.base import register
 from matrix.models.causal_lm import CausalLMKind
 from matrix.variants import InvalidVariant
 
 
 class TinyLlama(CausalLMKind):
     name = "tiny-llama"
+    axis_position = 1
     description = "transformers LlamaForCausalLM, tiny config"
     model_class = LlamaForCausalLM
     config_class = LlamaConfig
@@ -18,3 +20,6 @@ class TinyLlama(CausalLMKind):
             raise InvalidVariant(
                 f"hidden_size {variant.hidden_size} / num_heads {variant.num_heads} is not an even head size (RoPE)"
             )
+
+
+register(TinyLlama())

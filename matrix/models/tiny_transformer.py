@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from matrix.models import base
+from matrix.models.base import register
 from matrix.variants import InvalidVariant, Variant
 
 NUM_CLASSES = 4
@@ -49,6 +50,7 @@ class EncoderClassifier(nn.Module):
 
 class TinyTransformer(base.ModelKind):
     name = "tiny-transformer"
+    axis_position = 0
     description = "torch nn.TransformerEncoder classifier, key padding mask"
     # No dropout (Variant's default): a training forward must give the same loss in every
     # engine, whose random number streams differ.
@@ -64,6 +66,13 @@ class TinyTransformer(base.ModelKind):
         "grad_accumulation",
         "eval_grad_mode",
     )
+
+    def standalone_code(self) -> str:
+        from matrix.models.standalone import encoder_code
+
+        if type(self).create is not TinyTransformer.create:  # a subclass with a model of its own
+            return super().standalone_code()
+        return encoder_code(self.variant, base.VOCAB_SIZE, base.PAD_TOKEN_ID, NUM_CLASSES)
 
     def check_variant(self, variant: Variant) -> None:
         super().check_variant(variant)
@@ -98,3 +107,6 @@ class TinyTransformer(base.ModelKind):
         model = self.create().to(device=device, dtype=dtype)
         model.load_state_dict(load_file(directory / WEIGHTS_FILE, device=str(device)))
         return model
+
+
+register(TinyTransformer())

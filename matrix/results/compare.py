@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from matrix.packages import STACK
+
 CATEGORIES = (
     "new",
     "fixed",
@@ -41,7 +43,6 @@ DEFAULT_FAIL_ON = ("new",)
 # failing in one night is worth a look before it fails.
 DRIFT_FRACTION = 0.25
 FAILING = ("failed", "known")
-STACK_PACKAGES = ("torch", "transformers", "peft", "accelerate", "lightning", "safetensors")
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _run_summary(document: dict, source: str) -> dict:
         "shard": run.get("shard"),
         "git_commit": run.get("git_commit"),
         "started_at": run.get("started_at"),
-        "packages": {name: packages.get(name) for name in STACK_PACKAGES},
+        "packages": {name: packages.get(name) for name in STACK},
         "gpus": [gpu.get("name") for gpu in env.get("cuda_devices") or []],
         "cells": len(document["cells"]),
         "incomplete": bool(run.get("incomplete")),
@@ -137,7 +138,7 @@ def diff(old: dict, new: dict, *, old_source: str = "", new_source: str = "", dr
     old_summary, new_summary = _run_summary(old, old_source), _run_summary(new, new_source)
     packages = {
         name: (old_summary["packages"][name], new_summary["packages"][name])
-        for name in STACK_PACKAGES
+        for name in STACK
         if old_summary["packages"][name] != new_summary["packages"][name]
     }
     result = Diff(old_summary, new_summary, packages)

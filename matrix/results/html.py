@@ -1,6 +1,6 @@
 """index.html of one run: a self-contained page (inline CSS, no script, nothing fetched).
 
-`html_report(document)` renders a results.json document (matrix/results.schema.json) as a
+`html_report(document)` renders a results.json document (matrix/results/results.schema.json) as a
 header (counts, command, stack, machine, warnings), one grid per device x engine (models as
 rows, precision x mode as columns, coloured by outcome), a details panel per cell that a click
 on the cell shows (CSS :target), the failure signatures, the catalogue entries, the
@@ -17,7 +17,7 @@ import json
 import re
 from urllib.parse import quote, urlsplit
 
-from matrix.results_file import AXES, OUTCOMES, known_failure_keys
+from matrix.results.files import AXES, OUTCOMES, known_failure_keys
 
 UPSTREAM_REFERENCE = re.compile(r"([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#([0-9]+)")  # owner/repo#123
 

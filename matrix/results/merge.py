@@ -14,10 +14,13 @@ import re
 import time
 from pathlib import Path
 
-from matrix import journal, report
-from matrix.cells import Cell, SelectionError, parse_shard
-from matrix.compare import STACK_PACKAGES
-from matrix.results_file import AXES, load
+from matrix.cell import Cell, SelectionError
+from matrix.packages import STACK
+from matrix.results import journal
+from matrix.results.document import results_document
+from matrix.results.files import AXES, load
+from matrix.results.run_directory import write_new_directory
+from matrix.shards import parse_shard
 
 
 class MergeError(ValueError):
@@ -33,7 +36,7 @@ def stack_of(document: dict) -> dict:
     packages = document["environment"].get("packages") or {}
     run = document["run"]
     return {
-        **{name: release(packages.get(name)) for name in STACK_PACKAGES},
+        **{name: release(packages.get(name)) for name in STACK},
         "version stack": run.get("stack"),
         "project commit": run.get("git_commit"),
     }
@@ -129,8 +132,8 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
         dict.fromkeys([*warnings, *(w for document, _ in inputs for w in document["environment"].get("warnings", []))])
     )
     explorations = [e for document, _ in inputs for e in document.get("explorations", [])]
-    return report.results_document(
-        run, environment, [record for record, _ in records.values()], explorations, precisions=first.get("precisions")
+    return results_document(
+        run, environment, [record for record, _ in records.values()], explorations, first.get("precisions") or {}
     )
 
 
@@ -176,5 +179,5 @@ def merged_from_entry(document: dict, file: Path) -> dict:
 def write_merged(document: dict, output: Path) -> Path:
     if output.exists():
         raise MergeError(f"{output}: exists; merge writes a new directory and never into an existing one")
-    report.write_new_directory(output, document)
+    write_new_directory(output, document)
     return output

@@ -56,12 +56,15 @@ class Journal:
         self.file.write(line + "\n")
         self.file.flush()
 
-    def header(self, run: dict, environment: dict) -> None:
-        self.write("run", run=run, environment=environment, pid=os.getpid())
+    def header(self, run: dict, environment: dict, precisions: dict) -> None:
+        """The run, its machine, and the precision table its cells run with (so that a fold
+        needs nothing but this file)."""
+        self.write("run", run=run, environment=environment, precisions=precisions, pid=os.getpid())
 
-    def started(self, cell_id: str, axes: dict) -> None:
-        """A cell begins: its axes too, so a reader without its model kind registered can name it."""
-        self.write("start", cell=cell_id, axes=axes, pid=os.getpid())
+    def started(self, cell_id: str, axes: dict, rerun: str | None = None) -> None:
+        """A cell begins: its axes too, so a reader without its model kind registered can name it,
+        and the command that re-runs it, for the record of a cell that never finishes."""
+        self.write("start", cell=cell_id, axes=axes, rerun=rerun, pid=os.getpid())
 
     def cell(self, record: dict) -> None:
         self.write("cell", record=record)
@@ -77,10 +80,12 @@ class Journal:
 class JournalState:
     run: dict | None = None
     environment: dict | None = None
+    precisions: dict = field(default_factory=dict)
     records: dict[str, dict] = field(default_factory=dict)
     explorations: list[dict] = field(default_factory=list)
     restarts: list[float] = field(default_factory=list)  # a process stopped for a fresh one to go on
     started: dict[str, tuple[float, dict]] = field(default_factory=dict)  # cell id -> (start time, axes)
+    reruns: dict[str, str | None] = field(default_factory=dict)  # cell id -> its re-run command
 
     def in_flight(self) -> dict[str, tuple[float, dict]]:
         """Cells that started and have no record: running now, or running when the process died."""
@@ -125,8 +130,10 @@ class Tail:
         state, kind = self.state, event.get("event")
         if kind == "run":
             state.run, state.environment = event["run"], event["environment"]
+            state.precisions = event.get("precisions", {})
         elif kind == "start":
             state.started[event["cell"]] = (event["time"], event["axes"])
+            state.reruns[event["cell"]] = event.get("rerun")
         elif kind == "cell":
             state.records[event["record"]["id"]] = event["record"]
         elif kind == "exploration":

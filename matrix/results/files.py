@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from matrix import SCHEMA_VERSION
+from matrix.cell import AXES
+from matrix.results import SCHEMA_VERSION
 
+SCHEMA_FILE = Path(__file__).with_name("results.schema.json")  # the JSON Schema results.json follows
 READABLE_SCHEMA_VERSIONS = (3, SCHEMA_VERSION)  # 4 added per-cell placement and rerun, shards
-# What every cell record holds: its axes (matrix/cells.py Cell) and one of the outcomes.
-AXES = ("model", "precision", "mode", "device", "engine")
+# What every cell record holds: its axes (matrix/cell.py) and one of the outcomes.
 OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
 CELL_FIELDS = ("id", *AXES, "outcome", "signature", "metrics")
 

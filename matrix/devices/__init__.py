@@ -1,0 +1,21 @@
+"""The device axis: a registry of devices (matrix/devices/base.py Device), one file each.
+
+A new device (mps, xpu) is one file here that subclasses Device and calls register(); a
+user's device registers from their plugin the same way.
+"""
+
+from __future__ import annotations
+
+from matrix.devices.base import DEVICES, PER_WORKER, Device, register, resolve_index
+from matrix.registry import load_modules
+
+
+def poisoning_error(message: str | None) -> str | None:
+    """The error named in a failure's message after which its process cannot go on (a CUDA
+    device-side assert, say), from any device; None if there is none."""
+    return next((found for device in DEVICES.values() if (found := device.poisoning_error(message))), None)
+
+
+load_modules(__name__)
+
+__all__ = ["DEVICES", "PER_WORKER", "Device", "poisoning_error", "register", "resolve_index"]

@@ -1,0 +1,171 @@
+"""Running a cell: its phases through its engine (run_cell), and the record that says how it
+went, classified against the known-failure catalogue (run_and_record). No pytest here: the
+pytest plugin (matrix/plugin.py) and `python -m matrix replay` both call these.
+
+train: train_steps -> mid_training_eval -> checkpoint_save -> checkpoint_reload -> resumed_step
+eval:  evaluate -> checkpoint_save -> checkpoint_reload
+
+The first phase that raises ends the cell; its exception becomes the signature. Where a
+library runs several phases in one call (Trainer.train() steps, evaluates and saves), the
+engine tags the exception with the phase the library was in (`matrix_phase`), and the phases
+before it count as passed. Phases after the failing one are recorded as not run. Nothing is
+caught that is not recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matrix import checks
+from matrix.catalogue import Catalogue, Entry, classify
+from matrix.cell import Cell
+from matrix.devices import DEVICES, poisoning_error
+from matrix.engines import ENGINES
+from matrix.models import MODELS
+from matrix.phases import PHASE_NAMES, CellState
+from matrix.precisions import PRECISIONS, PolicyContradiction, validate
+from matrix.results.records import CellRecord, known_failure_record
+from matrix.signatures import Signature, signature_of
+from matrix.variants import Variant
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    outcome: str  # passed | failed
+    phase: str | None = None  # the phase that failed
+    signature: Signature | None = None
+    message: str | None = None  # the exception's own message, unnormalized
+    traceback: str | None = None
+    duration_s: float = 0.0
+    phases: dict[str, str] = field(default_factory=dict)  # phase -> passed | failed | not run
+    metrics: dict = field(default_factory=dict)
+
+
+def _record_failure(result: CellResult, phase: str, exc: BaseException) -> None:
+    result.outcome, result.phase = "failed", phase
+    result.signature = signature_of(phase, exc)
+    result.message = f"{type(exc).__name__}: {exc}"
+    if getattr(exc, "details", None):
+        result.message += f" ({exc.details})"
+    result.traceback = "".join(traceback.format_exception(exc))
+
+
+def run_cell(
+    cell: Cell,
+    workdir: Path,
+    device_index: int = 0,
+    run_contradictory: bool = False,
+    variant: Variant | None = None,
+) -> CellResult:
+    """Run a cell's phases. A precision policy that contradicts itself fails in the
+    `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
+    record what the stack itself raises. `device_index` picks one of an indexed device (cuda:N).
+    `variant` replaces the model kind's grid settings
+    (raises InvalidVariant for settings the kind cannot take)."""
+    kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
+    precision = PRECISIONS[cell.precision]
+    if kind.variant.grad_accumulation is not None:
+        precision = dataclasses.replace(precision, grad_accumulation=kind.variant.grad_accumulation)
+    state = CellState(
+        cell=cell,
+        kind=kind,
+        precision=precision,
+        device=DEVICES[cell.device].torch_device(device_index),
+        workdir=workdir,
+        metrics={"declared": precision.settings()},
+    )
+    if variant is not None:
+        state.metrics["variant"] = kind.variant.only(kind.variant_fields)
+    engine = ENGINES[cell.engine]
+    state.metrics["engine_settings"] = engine.settings(precision)
+    phases = engine.phases(cell.mode)
+    names = PHASE_NAMES[cell.mode]
+    result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
+    result.phases = {name: "not run" for name in names}
+    start = time.perf_counter()
+    if precision.contradictions():
+        state.metrics["policy_contradictions"] = precision.contradictions()
+        if not run_contradictory:
+            try:
+                validate(precision)
+            except PolicyContradiction as exc:
+                _record_failure(result, "configure", exc)
+                return result
+    try:
+        for name in names:
+            try:
+                phases[name](state)
+                if state.model is not None:  # an engine hands the model back where the cell runs it
+                    checks.check_placement(state.model, state.device, f"after {name}")
+            except Exception as exc:  # recorded: signature, message and full traceback
+                failed = getattr(exc, "matrix_phase", None) or name
+                if failed not in names[names.index(name) :]:
+                    failed = name  # an engine's guess outside this mode's remaining phases
+                for earlier in names[names.index(name) : names.index(failed)]:
+                    result.phases[earlier] = "passed"
+                _record_failure(result, failed, exc)
+                result.phases[failed] = "failed"
+                break
+            result.phases[name] = "passed"
+    finally:
+        for hook in ("first_forward_watch", "first_training_forward_seed"):
+            watch = state.engine_state.pop(hook, None)
+            if watch is not None:
+                watch.remove()  # a cell whose hook never fired leaves no global hook behind
+        engine.cleanup(state)
+    result.duration_s = round(time.perf_counter() - start, 4)
+    return result
+
+
+@dataclass(frozen=True)
+class RecordedCell:
+    """A cell run and classified: its record, the catalogue entries in force for it (a known
+    failure is one of them), and the process-poisoning error it hit, if any."""
+
+    record: CellRecord
+    result: CellResult
+    claims: list[Entry]
+    entry: Entry | None
+    poison: str | None
+
+    @property
+    def outcome(self) -> str:
+        return self.record.outcome
+
+
+def run_and_record(
+    cell: Cell,
+    workdir: Path,
+    catalogue: Catalogue,
+    installed: dict[str, str | None],
+    *,
+    device_index: int = 0,
+    run_contradictory: bool = False,
+    rerun: str | None = None,
+) -> RecordedCell:
+    """Run the cell and make its record: passed, or failed as a catalogue entry in force says
+    (known), or failed as none says (failed: new), or passed against an entry's claim (fixed)."""
+    claims = catalogue.in_force(cell, installed)
+    result = run_cell(cell, workdir, device_index, run_contradictory=run_contradictory)
+    signature = result.signature
+    outcome, entry = classify(result.outcome, signature.text if signature else None, claims)
+    record = CellRecord.of(
+        cell,
+        outcome,
+        phase=result.phase,
+        phases=result.phases,
+        signature=signature.as_dict() if signature else None,
+        message=result.message,
+        known_failure=known_failure_record(entry) if entry else None,
+        duration_s=result.duration_s,
+        metrics=result.metrics,
+        **DEVICES[cell.device].placement(device_index),
+        rerun=rerun,
+    )
+    poison = poisoning_error(result.message) if result.outcome == "failed" else None
+    return RecordedCell(record, result, claims, entry, poison)

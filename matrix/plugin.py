@@ -1,0 +1,432 @@
+"""The pytest plugin (entry point `pytest11: matrix`): the matrix's options, the parametrization
+of its two tests (matrix/pytest_cases.py) with the selected cells and their skip reasons, the
+isolation between cells, and the recording of results where pytest's reports arrive (the
+controller, when pytest-xdist runs workers), so a cell whose worker crashed is still in the
+report. Hooks and fixtures only: running a cell is matrix/execute.py, recording a run
+matrix/recording.py, reports matrix/results/.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Nothing is downloaded at run time: every model is built from a config in code. Offline
+# mode makes an accidental hub call fail loudly instead.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest
+import torch
+
+from matrix.devices.cuda import interpret_triton_without_cuda
+
+interpret_triton_without_cuda()  # before anything imports triton (transformers' models do)
+
+import transformers
+
+from matrix import catalogue as known_failures
+from matrix import environment, options
+from matrix.cell import AXES, Cell, cell_id_from_nodeid
+from matrix.devices import DEVICES, resolve_index
+from matrix.engines import ENGINES
+from matrix.models import MODELS
+from matrix.precisions import PRECISIONS, table
+from matrix.recording import RunInUse, RunRecorder, started_at
+from matrix.results.records import (
+    CellRecord,
+    harness_failure_record,
+    skipped_exploration_record,
+    skipped_record,
+    timeout_record,
+)
+from matrix.results.run_directory import reports_root
+from matrix.runner import COMMAND_VARIABLE
+from matrix.selection import axis_values, cell_from_id, enumerate_cells, parse_selection
+from matrix.shards import parse_shard, shard_cells
+
+transformers.utils.logging.disable_progress_bar()
+
+RESULT_PROPERTY = "matrix_result"
+EXPLORATION_PROPERTY = "matrix_exploration"
+AXES_PROPERTY = "matrix_cell"
+EXPLORE_TIMEOUT_MARGIN_S = 600
+
+selection_key = pytest.StashKey[dict]()
+catalogue_key = pytest.StashKey[known_failures.Catalogue]()
+installed_key = pytest.StashKey[dict]()
+recorder_key = pytest.StashKey["Recorder"]()
+explore_clock_key = pytest.StashKey["ExploreClock"]()
+device_index_key = pytest.StashKey[int]()
+shard_key = pytest.StashKey["tuple[int, int] | None"]()
+values_key = pytest.StashKey[dict]()  # the checked values of options that have a check
+restart_key = pytest.StashKey[str]()  # why this process must stop and the run resume in a new one
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("matrix", "mixed-precision matrix")
+    options.add_arguments(group.addoption)
+
+
+def is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def device_index(config) -> int:
+    return config.stash[device_index_key]
+
+
+def option(config, dest: str):
+    """An option's value, checked (matrix/options.py)."""
+    return config.stash[values_key][dest] if dest in config.stash[values_key] else config.getoption(dest)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cell: a matrix cell (model x precision x mode x device x engine)")
+    if is_worker(config):
+        # N xdist workers share the cores: torch's default of one thread per core in each
+        # of them oversubscribes the machine (measured 2.4x slower with 2 workers on 2 cores).
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    try:
+        config.stash[values_key] = {
+            o.dest: options.checked(o.dest, config.getoption(o.dest)) for o in options.OPTIONS if o.check
+        }
+        config.stash[selection_key] = {axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES}
+        config.stash[shard_key] = parse_shard(config.getoption("matrix_shard"))
+        worker_id = config.workerinput["workerid"] if is_worker(config) else None
+        visible = max((d.count() for d in DEVICES.values() if d.indexed), default=0)
+        config.stash[device_index_key] = resolve_index(config.getoption("matrix_cuda_device"), worker_id, visible)
+    except ValueError as error:  # SelectionError, OptionError, a bad --cuda-device
+        raise pytest.UsageError(str(error)) from None
+    try:
+        config.stash[catalogue_key] = known_failures.assemble(
+            tuple(Path(p) for p in config.getoption("matrix_catalogue")),
+            builtin=not config.getoption("matrix_no_builtin_catalogue"),
+        )
+    except known_failures.CatalogueError as error:
+        raise pytest.UsageError(f"--catalogue: {error}") from None
+    config.stash[installed_key] = environment.package_versions()
+    if not is_worker(config) and not config.getoption("matrix_no_report"):
+        root = reports_root(config.getoption("matrix_report_dir"), config.invocation_params.dir)
+        config.stash[recorder_key] = Recorder(config, root, config.getoption("matrix_run_id"))
+        config.pluginmanager.register(config.stash[recorder_key], "matrix-recorder")
+
+
+def explorable(cell: Cell) -> bool:
+    """fp32 is the reference every variant is compared with; a precision that fails its own
+    policy check fails in 'configure' whatever the variant."""
+    return (
+        cell.precision != "fp32" and not PRECISIONS[cell.precision].contradictions() and MODELS[cell.model].explorable
+    )
+
+
+def skip_reason(cell: Cell, index: int) -> str | None:
+    precision, engine = PRECISIONS[cell.precision], ENGINES[cell.engine]
+    return (
+        engine.unsupported_reason(precision)
+        or DEVICES[cell.device].skip_reason(precision, index)
+        or MODELS[cell.model].skip_reason(cell.device)
+        or engine.kind_skip_reason(MODELS[cell.model])
+    )
+
+
+def cell_marks(cell: Cell, index: int) -> list:
+    reason = skip_reason(cell, index)
+    return [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
+
+
+def selected_cells(config) -> list[Cell]:
+    """The cells of the axis selection, then of this --shard."""
+    return shard_cells(enumerate_cells(config.stash[selection_key]), config.stash[shard_key])
+
+
+def pytest_generate_tests(metafunc):
+    """Only the matrix's own tests (matrix/pytest_cases.py, wherever a test module imports
+    them) get the cells: another test taking a `cell` argument is left alone."""
+    role = getattr(metafunc.function, "matrix_test", None)  # set in matrix/pytest_cases.py
+    if role == "explore":
+        index = device_index(metafunc.config)
+        targets = [c for c in selected_cells(metafunc.config) if explorable(c)]
+        metafunc.parametrize("explore_target", [pytest.param(c, id=c.id, marks=cell_marks(c, index)) for c in targets])
+    elif role == "cell":
+        index = device_index(metafunc.config)
+        params = [pytest.param(c, id=c.id, marks=cell_marks(c, index)) for c in selected_cells(metafunc.config)]
+        metafunc.parametrize("cell", params)
+
+
+def is_cell_item(item) -> bool:
+    return getattr(item, "originalname", None) == "test_cell" and isinstance(
+        getattr(getattr(item, "callspec", None), "params", {}).get("cell"), Cell
+    )
+
+
+def is_exploration_item(item) -> bool:
+    return getattr(item, "originalname", None) == "test_explore" and isinstance(
+        getattr(getattr(item, "callspec", None), "params", {}).get("explore_target"), Cell
+    )
+
+
+def matrix_item_id(item) -> str | None:
+    """The cell a matrix item runs (test_cell, test_explore); None for other tests."""
+    if is_cell_item(item):
+        return item.callspec.params["cell"].id
+    return item.callspec.params["explore_target"].id if is_exploration_item(item) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    done = resumed_done(config)  # in each process that collects: the main one, or xdist's workers
+    dropped = [
+        item
+        for item in items
+        if matrix_item_id(item) in done
+        or (getattr(item, "originalname", None) == "test_explore" and not config.getoption("matrix_explore"))
+    ]
+    if dropped:  # explorations run only when asked for: they never slow the matrix down
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in set(dropped)]
+    explorations = 0
+    for item in items:
+        if is_cell_item(item):
+            item.user_properties.append((AXES_PROPERTY, item.callspec.params["cell"].axes()))
+            item.add_marker(pytest.mark.timeout(option(config, "matrix_cell_timeout")))
+        if is_exploration_item(item):
+            explorations += not any(m.name == "skip" for m in item.iter_markers())
+            # pytest-timeout's per-test limit fits a cell, not a search that may get the whole
+            # budget; shrinking and explaining a finding run past it a little
+            item.add_marker(pytest.mark.timeout(option(config, "matrix_explore_seconds") + EXPLORE_TIMEOUT_MARGIN_S))
+    config.stash[explore_clock_key] = ExploreClock(option(config, "matrix_explore_seconds"), explorations)
+
+
+def resumed_done(config) -> set[str]:
+    """With --matrix-resume: the cells and targets the run's journal already has."""
+    if not config.getoption("matrix_resume"):
+        return set()
+    from matrix.results import journal
+
+    root = reports_root(config.getoption("matrix_report_dir"), config.invocation_params.dir)
+    state = journal.read(root / (config.getoption("matrix_run_id") or ""))
+    return set(state.records) | {e["target"] for e in state.explorations}
+
+
+class ExploreClock:
+    """Shares the explorations' wall-time budget out: each target gets what is left divided
+    by the targets still to run, so time a quick target leaves goes to the next ones."""
+
+    def __init__(self, total_seconds: float, targets: int) -> None:
+        self.total, self.targets, self.started = total_seconds, targets, None
+
+    def next_share(self) -> float:
+        if self.started is None:
+            self.started = time.monotonic()
+        left = max(0.0, self.total - (time.monotonic() - self.started))
+        share = left / max(1, self.targets)
+        self.targets = max(0, self.targets - 1)
+        return share
+
+
+@pytest.fixture
+def isolated_torch_state():
+    """A cell starts clean and leaves nothing behind (the matrix's tests ask for it)."""
+    saved = (
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+        dict(os.environ),
+    )
+    yield
+    default_dtype, grad_enabled, deterministic, threads, env = saved
+    torch.set_default_dtype(default_dtype)
+    torch.set_grad_enabled(grad_enabled)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(env)
+    assert not torch.is_autocast_enabled("cpu"), "a cell left CPU autocast enabled"
+
+
+def rerun_command(config, nodeid: str, cell: Cell) -> str:
+    """The command that re-runs just this cell: its node id, the run's -p plugins (a plugin's
+    model kind exists only with them), and the device index it ran on."""
+    command = ["pytest", nodeid, *options.plugin_arguments(list(config.invocation_params.args))]
+    if DEVICES[cell.device].indexed and device_index(config):
+        command.append(f"--cuda-device={device_index(config)}")
+    return shlex.join(command)
+
+
+def cell_nodeid(config, cell: Cell, nodeid: str | None = None) -> str:
+    """A node id for the cell: the one pytest gave it, else the test module the run collected
+    the matrix's test from (a crashed worker's report carries only a node id)."""
+    if nodeid:
+        return nodeid
+    recorder = config.stash.get(recorder_key, None)
+    module = recorder.cell_module if recorder is not None and recorder.cell_module else "cases/test_cells.py"
+    return f"{module}::test_cell[{cell.id}]"
+
+
+def invocation() -> str:
+    if os.environ.get(COMMAND_VARIABLE):  # started by python -m matrix run
+        return os.environ[COMMAND_VARIABLE]
+    program = Path(sys.argv[0]).name
+    program = "python -m pytest" if program == "__main__.py" else program
+    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
+
+
+def is_timeout(report) -> bool:
+    """pytest-timeout's failure: the cell ran past --cell-timeout."""
+    return report.failed and "Timeout (>" in str(report.longrepr) and "pytest-timeout" in str(report.longrepr)
+
+
+def skip_reason_of(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+class Recorder:
+    """pytest's side of a run's recording (matrix/recording.py RunRecorder): which cells were
+    selected, each cell's start and record as pytest reports them, the report at the end.
+    SIGTERM ends the run like Ctrl-C: the cells done so far are written, marked incomplete."""
+
+    def __init__(self, config, root: Path, run_id: str | None) -> None:
+        self.config = config
+        try:
+            self.run = RunRecorder(root, run_id, resume=config.getoption("matrix_resume"))
+        except ValueError as error:  # a bad or taken --run-id, or nothing to resume
+            message = str(error) if isinstance(error, RunInUse) else f"--run-id: {error}"
+            raise pytest.UsageError(message) from None
+        self.nodeids: dict[str, Cell] = {}
+        self.cell_module: str | None = None
+        self.previous_sigterm = None
+
+    def pytest_configure(self, config):
+        if threading.current_thread() is threading.main_thread():
+            self.previous_sigterm = signal.signal(signal.SIGTERM, self.terminate)
+
+    def pytest_unconfigure(self, config):
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+        self.run.close()
+
+    def terminate(self, signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # pytest then finishes the session
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session, config, items):
+        self.selected = {matrix_item_id(item) for item in items} - {None} | self.run.done()  # resumed: done too
+        self.nodeids = {item.nodeid: item.callspec.params["cell"] for item in items if is_cell_item(item)}
+        self.cell_module = next((n.split("::")[0] for n in self.nodeids), None)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        """Under xdist the workers collect: their node ids say what this run selected."""
+        if not self.run.open:
+            matrix_ids = {cell_id_from_nodeid(n) or cell_id_from_nodeid(n, "test_explore") for n in ids}
+            self.selected = matrix_ids - {None} | self.run.done()
+            self.cell_module = next((n.split("::")[0] for n in ids if "::test_cell[" in n), None)
+            self.start()
+
+    def pytest_collection_finish(self, session):
+        if getattr(self, "selected", None) and not self.run.open:
+            self.start()
+
+    def start(self) -> None:
+        self.run.start(
+            self.selected, self.run_header(), lambda: environment.capture(device_index(self.config)), table()
+        )
+
+    def run_header(self) -> dict:
+        config = self.config
+        return {
+            "id": self.run.run_id,
+            "command": invocation(),
+            "started_at": started_at(self.run.started),
+            "selection": {axis: list(values) for axis, values in config.stash[selection_key].items()},
+            "axes": {axis: list(values) for axis, values in axis_values().items()},
+            "workers": getattr(config.option, "numprocesses", None),
+            "shard": "{}/{}".format(*config.stash[shard_key]) if config.stash[shard_key] else None,
+            "cuda_device": config.getoption("matrix_cuda_device"),
+            # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
+            "stack": os.environ.get("MATRIX_STACK"),
+            "cell_timeout_s": option(config, "matrix_cell_timeout"),
+            **{f"git_{k}": v for k, v in environment.git_state(config.rootpath).items()},
+        }
+
+    def cell_of(self, nodeid: str) -> Cell | None:
+        cell = self.nodeids.get(nodeid)
+        if cell is None:  # under xdist the controller has no items
+            cell_id = cell_id_from_nodeid(nodeid)
+            cell = cell_from_id(cell_id) if cell_id else None
+        return cell
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        cell = self.cell_of(nodeid) if "::test_cell[" in nodeid else None
+        if cell is not None:
+            self.run.cell_started(cell, rerun_command(self.config, nodeid, cell))
+
+    def pytest_runtest_logreport(self, report):
+        properties = dict(report.user_properties)
+        if EXPLORATION_PROPERTY in properties:
+            if report.when == "call":
+                self.run.store_exploration(properties[EXPLORATION_PROPERTY])
+            return
+        target_id = cell_id_from_nodeid(report.nodeid, "test_explore")
+        if target_id is not None:
+            cell = cell_from_id(target_id)
+            if report.skipped and cell is not None:
+                self.run.store_exploration(skipped_exploration_record(cell, skip_reason_of(report)))
+            return
+        axes = properties.get(AXES_PROPERTY)
+        cell = Cell(**axes) if axes is not None else self.cell_of(report.nodeid)
+        if cell is None:
+            return
+        records = self.run.records
+        common = {
+            "rerun": rerun_command(self.config, report.nodeid, cell),
+            **DEVICES[cell.device].placement(device_index(self.config)),
+        }
+        if RESULT_PROPERTY in properties and report.when == "call":
+            self.run.store(CellRecord(**properties[RESULT_PROPERTY]))
+        elif report.skipped and cell.id not in records:
+            self.run.store(skipped_record(cell, skip_reason_of(report), **common))
+        elif report.failed and (cell.id not in records or records[cell.id]["outcome"] == "passed"):
+            # Failed outside run_cell: a fixture error, a teardown check, a timeout, or a crashed worker.
+            if is_timeout(report):
+                record = timeout_record(
+                    cell, option(self.config, "matrix_cell_timeout"), str(report.longrepr), **common
+                )
+            else:
+                phase = report.when if report.when in ("setup", "call", "teardown") else "crash"
+                record = harness_failure_record(
+                    cell, phase, str(report.longrepr), getattr(report, "duration", 0.0), **common
+                )
+            self.run.store(record)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.run.finish(exitstatus, self.config.stash.get(restart_key, None))
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.run.written:
+            return
+        counts = self.run.counts()
+        terminalreporter.write_sep("=", "precision matrix")
+        if self.run.records:
+            terminalreporter.write_line(
+                f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
+                f"{counts['passed']} passed, {counts['skipped']} skipped cells"
+            )
+        ran = [e for e in self.run.explorations if e["skip_reason"] is None]
+        if ran:
+            findings = [f for e in ran for f in e["findings"]]
+            terminalreporter.write_line(
+                f"{len(ran)} explorations, {sum(e['examples_run'] for e in ran)} variants run: "
+                f"{sum(f['status'] == 'new' for f in findings)} new findings, "
+                f"{sum(f['status'] == 'known' for f in findings)} known"
+            )
+        terminalreporter.write_line(f"report: {self.run.written / 'summary.md'}")

@@ -1,0 +1,49 @@
+"""results.json's document: the run, its machine, the precision table, the cells, and the
+indexes a reader starts from (counts, signatures, catalogue entries)."""
+
+from __future__ import annotations
+
+from matrix.results import SCHEMA_VERSION
+from matrix.results.files import OUTCOMES
+
+
+def signature_index(records: list[dict]) -> dict[str, dict]:
+    index: dict[str, dict] = {}
+    for record in records:
+        signature = record["signature"]
+        if signature:
+            entry = index.setdefault(signature["id"], {**signature, "cells": [], "known_as": []})
+            entry["cells"].append(record["id"])
+            known = record.get("known_failure")
+            if record["outcome"] == "known" and known["id"] not in entry["known_as"]:
+                entry["known_as"].append(known["id"])
+    return dict(sorted(index.items(), key=lambda item: (-len(item[1]["cells"]), item[0])))
+
+
+def known_failure_index(records: list[dict]) -> dict[str, dict]:
+    """Catalogue entry id -> the entry and the cells it explained (known) or missed (fixed)."""
+    index: dict[str, dict] = {}
+    for record in records:
+        known = record.get("known_failure")
+        if known:
+            entry = index.setdefault(known["id"], {**known, "cells": [], "fixed_cells": []})
+            entry["fixed_cells" if record["outcome"] == "fixed" else "cells"].append(record["id"])
+    return index
+
+
+def results_document(
+    run: dict, environment: dict, records: list[dict], explorations: list[dict], precisions: dict
+) -> dict:
+    """The whole run; `precisions` is the table the cells ran with (matrix/precisions.py table())."""
+    records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run": run,
+        "environment": environment,
+        "precisions": precisions,
+        "counts": {outcome: sum(r["outcome"] == outcome for r in records) for outcome in OUTCOMES},
+        "cells": records,
+        "signatures": signature_index(records),
+        "known_failures": known_failure_index(records),
+        "explorations": list(explorations),
+    }

@@ -1,0 +1,230 @@
+"""summary.md: one grid per device and mode, new failures grouped by signature, fixed cells by
+catalogue entry, skip reasons, known failures, signatures, explorations, the precision table."""
+
+from __future__ import annotations
+
+import json
+
+from matrix.results.files import known_failure_keys
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def grouped(cells: list[dict], key) -> dict[str, list[dict]]:
+    """Cells by key, the largest group first (then by key): a nightly reader sees the problems,
+    not one line per cell."""
+    groups: dict[str, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault(key(cell), []).append(cell)
+    return dict(sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])))
+
+
+def _cells(count: int) -> str:
+    return f"**{count} cell{'s' if count != 1 else ''}**"
+
+
+def folded_cells(line: str, cells: list[dict]) -> list[str]:
+    """One list item, with its cells folded below it (a <details> block, as GitHub renders)."""
+    ids = ", ".join(f"`{c['id']}`" for c in cells)
+    return [line, "  <details><summary>cells</summary>", "", f"  {ids}", "", "  </details>"]
+
+
+def ran_as_note(cell: dict) -> str:
+    """' (ran as fp32)' where the engine put another autocast dtype in force than declared."""
+    declared = cell["metrics"].get("declared", {}).get("autocast_dtype")
+    effective = cell["metrics"].get("effective", {})
+    if "autocast_dtype_in_forward" not in effective:
+        return ""
+    actual = effective["autocast_dtype_in_forward"]
+    if actual == declared:
+        return ""
+    return f" (ran {'without autocast' if actual is None else 'with ' + actual + ' autocast'})"
+
+
+def summary_markdown(document: dict) -> str:
+    run, env, cells = document["run"], document["environment"], document["cells"]
+    packages = env.get("packages", {})
+    stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
+    counts = document["counts"]
+    lines = [
+        f"# Mixed-precision matrix: run {run['id']}",
+        "",
+        f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
+        f"{counts['passed']} passed, {counts['skipped']} skipped** "
+        f"of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
+        "",
+        f"- command: `{run['command']}`",
+        f"- stack: {stack}",
+        f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs; "
+        + (
+            "GPUs: "
+            + ", ".join(f"cuda:{g['index']} {g['name']} (cc {g['compute_capability']})" for g in env["cuda_devices"])
+            if env.get("cuda_devices")
+            else "no CUDA device"
+        ),
+        f"- project commit: {run.get('git_commit') or 'unknown'}{' (dirty)' if run.get('git_dirty') else ''}",
+    ]
+    if env.get("cuda_devices"):
+        gpus = env["cuda_devices"]
+        chosen = env.get("selected_cuda_device")
+        placement = (
+            "each xdist worker on its own GPU (--cuda-device per-worker; see each cell)"
+            if run.get("cuda_device") == "per-worker"
+            else f"cuda:{chosen} {gpus[chosen]['name']}, PCI {gpus[chosen].get('pci_bus_id') or 'unknown'}"
+            if isinstance(chosen, int) and chosen < len(gpus)
+            else "unknown"
+        )
+        lines.append(
+            f"- cuda cells ran on: {placement}; driver {env.get('driver_version') or 'unknown'} "
+            f"(CUDA {env.get('driver_cuda_version') or 'unknown'}), torch built with CUDA {env.get('torch_cuda')}; "
+            f"CUDA_VISIBLE_DEVICES={(env.get('env') or {}).get('CUDA_VISIBLE_DEVICES')}, "
+            f"CUDA_DEVICE_ORDER={(env.get('env') or {}).get('CUDA_DEVICE_ORDER')}"
+        )
+    if run.get("stack"):
+        lines.append(f"- version stack: `{run['stack']}`")
+    lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
+    if run.get("incomplete"):
+        lines.append("- **incomplete run:** not every selected cell reported")
+
+    known_keys = known_failure_keys(document)
+    fixed = [c for c in cells if c["outcome"] == "fixed"]
+    if fixed:
+        lines += ["", "## Fixed: the catalogue says these fail, but they pass (narrow the entries)", ""]
+        by_entry = grouped(fixed, lambda c: c["known_failure"]["id"])
+        lines += [f"{len(fixed)} cells, {len(by_entry)} entries:", ""]
+        for entry_id, group in by_entry.items():
+            lines += folded_cells(f"- entry `{entry_id}`: {_cells(len(group))}", group)
+    new = [c for c in cells if c["outcome"] == "failed"]
+    if new:
+        lines += ["", "## New failures (no catalogue entry explains them)", ""]
+        by_signature = grouped(new, lambda c: c["signature"]["id"])
+        lines += [f"{len(new)} cells, {len(by_signature)} signatures:", ""]
+        for sig_id, group in by_signature.items():
+            lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
+
+    skip_reasons: dict[str, str] = {}
+    for device, mode in sorted(
+        {(c["device"], c["mode"]) for c in cells}, key=lambda dm: (dm[0] != "cpu", dm[1] != "train")
+    ):
+        group = [c for c in cells if c["device"] == device and c["mode"] == mode]
+        precisions = [p for p in document["precisions"] if any(c["precision"] == p for c in group)]
+        precisions += sorted({c["precision"] for c in group} - set(precisions))
+        present = {c["model"] for c in group}
+        models = [m for m in run.get("axes", {}).get("model", []) if m in present]
+        models += sorted(present - set(models))
+        engines_present = {c["engine"] for c in group}
+        engines = [e for e in run.get("axes", {}).get("engine", []) if e in engines_present]
+        engines += sorted(engines_present - set(engines))
+        lines += ["", f"## {device} · {mode}", "", "| model | engine | " + " | ".join(precisions) + " |"]
+        lines.append("|---|---|" + "---|" * len(precisions))
+        by_key = {(c["model"], c["engine"], c["precision"]): c for c in group}
+        for model in models:
+            for engine in engines:
+                row = []
+                for precision in precisions:
+                    cell = by_key.get((model, engine, precision))
+                    if cell is None:
+                        row.append("")
+                    elif cell["outcome"] == "failed":
+                        row.append(f"❌ `{cell['signature']['id']}` ({cell['phase']})")
+                    elif cell["outcome"] == "known":
+                        row.append(f"⚠️ {known_keys[cell['known_failure']['id']]} ({cell['phase']})")
+                    elif cell["outcome"] == "fixed":
+                        row.append(f"❗ fixed {known_keys[cell['known_failure']['id']]}")
+                    elif cell["outcome"] == "skipped":
+                        key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
+                        row.append(f"⏭️ {key}")
+                    else:
+                        row.append("✅")
+                    if cell is not None and cell["outcome"] != "skipped":
+                        row[-1] += ran_as_note(cell)
+                lines.append(f"| {model} | {engine} | " + " | ".join(row) + " |")
+
+    if skip_reasons:
+        lines += ["", "## Skip reasons", "", "| key | reason | cells |", "|---|---|---|"]
+        for reason, key in skip_reasons.items():
+            count = sum(c["skip_reason"] == reason for c in cells)
+            lines.append(f"| {key} | {_md(reason)} | {count} |")
+
+    if document["known_failures"]:
+        lines += ["", "## Known failures (matrix/known_failures.toml)", ""]
+        lines += ["| key | entry | kind | upstream | known cells | fixed cells |", "|---|---|---|---|---|---|"]
+        for entry_id, entry in document["known_failures"].items():
+            upstream = ", ".join(entry["upstream"]) or "found by this matrix"
+            lines.append(
+                f"| {known_keys[entry_id]} | `{entry_id}`: {_md(entry['title'])} | {entry['kind']} | {upstream} "
+                f"| {len(entry['cells'])} | {len(entry['fixed_cells'])} |"
+            )
+
+    lines += ["", "## Failure signatures", ""]
+    if document["signatures"]:
+        lines += ["| signature | phase | failure | known as | cells |", "|---|---|---|---|---|"]
+        for sig_id, entry in document["signatures"].items():
+            failure = f"{entry['exception']}: {entry['message']} @ `{entry['origin']}`"
+            known = ", ".join(f"`{k}`" for k in entry["known_as"]) or "**new**"
+            lines.append(f"| `{sig_id}` | {entry['phase']} | {_md(failure)} | {known} | {', '.join(entry['cells'])} |")
+    else:
+        lines.append("No cell failed.")
+
+    lines += exploration_markdown(document.get("explorations", []))
+
+    lines += [
+        "",
+        "## Precisions",
+        "",
+        "| precision | weights | autocast | grad scaler | weights from | gradients |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, p in document["precisions"].items():
+        lines.append(
+            f"| {name} | {p['weights_dtype']} | {p['autocast_dtype'] or '-'} | {'yes' if p['grad_scaler'] else '-'} "
+            f"| {p['weights_from']} | {p['grad_dtype'] or 'weights dtype'}"
+            f"{', accumulate ' + str(p['grad_accumulation']) if p['grad_accumulation'] > 1 else ''} |"
+        )
+    lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
+    return "\n".join(lines) + "\n"
+
+
+def exploration_markdown(explorations: list[dict]) -> list[str]:
+    if not explorations:
+        return []
+    ran = [e for e in explorations if e["skip_reason"] is None]
+    findings = [f for e in ran for f in e["findings"]]
+    lines = [
+        "",
+        "## Explorations (hypothesis, matrix/explore.py)",
+        "",
+        f"{len(ran)} targets explored, {sum(e['examples_run'] for e in ran)} variants run, "
+        f"{sum(f['status'] == 'new' for f in findings)} new and {sum(f['status'] == 'known' for f in findings)} "
+        "known findings. A variant that passes in fp32 must pass in the target's precision, within its tolerance.",
+        "",
+        "| target | variants run | fp32 failed | wall s | stopped by | findings |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in explorations:
+        if e["skip_reason"] is not None:
+            lines.append(f"| `{e['target']}` | skipped: {_md(e['skip_reason'])} | | | | |")
+            continue
+        found = ", ".join(f"`{f['signature']['id']}` ({f['status']})" for f in e["findings"]) or "none"
+        lines.append(
+            f"| `{e['target']}` | {e['examples_run']} of {e['budget']['examples']} | {e['fp32_failures']} "
+            f"| {e['wall_s']} | {e['stopped_by']} | {found} |"
+        )
+    for e in ran:
+        for f in e["findings"]:
+            known = f"known: `{f['known_failure']['id']}`" if f["known_failure"] else "**new**"
+            changed = ", ".join(f"{k}={json.dumps(v)}" for k, v in f["differs_from_base"].items()) or "nothing"
+            lines += [
+                "",
+                f"### `{f['signature']['id']}` in `{e['target']}` ({known})",
+                "",
+                f"- failure: {_md(f['signature']['text'])}",
+                f"- minimal variant, changed from the base: {_md(changed)}",
+            ]
+            lines += [f"  - `{name}`: {_md(why)}" for name, why in f["needed"].items()]
+            lines.append(f"- replay: `{f['replay']}`")
+            if f.get("repro"):
+                lines.append(f"- standalone script: `{f['repro']}`")
+    return lines

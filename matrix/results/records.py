@@ -1,0 +1,115 @@
+"""One record per cell, typed: what results.json's `cells` hold (matrix/results/results.schema.json).
+
+A record is made once, complete, where its outcome is known: run_cell's result
+(matrix/execute.py), a skip, a timeout, a crash, or a failure outside run_cell. Nothing edits
+it afterwards. `as_dict()` is its JSON form, in the schema's field order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from matrix.cell import Cell
+from matrix.results import crash_dump
+from matrix.signatures import Signature, signature_of_crash
+
+TIMEOUT_SIGNATURE_MESSAGE = "the cell did not finish within the per-cell timeout"
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    id: str
+    model: str
+    precision: str
+    mode: str
+    device: str
+    engine: str
+    outcome: str  # passed | known | fixed | failed | skipped (files.OUTCOMES)
+    phase: str | None = None  # the phase that failed
+    phases: dict = field(default_factory=dict)  # phase -> passed | failed | not run
+    signature: dict | None = None  # Signature.as_dict()
+    message: str | None = None
+    skip_reason: str | None = None
+    known_failure: dict | None = None  # known_failure_record()
+    duration_s: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    cuda_index: int | None = None  # the accelerator's index, for a cell on an indexed device
+    device_name: str | None = None
+    rerun: str | None = None  # the command that re-runs just this cell
+
+    @classmethod
+    def of(cls, cell: Cell, outcome: str, **fields) -> CellRecord:
+        return cls(id=cell.id, **cell.axes(), outcome=outcome, **fields)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def known_failure_record(entry) -> dict:
+    """A catalogue entry (matrix/catalogue.py Entry) as a cell record names it."""
+    return {
+        "id": entry.id,
+        "title": entry.title,
+        "kind": entry.kind,
+        "upstream": list(entry.upstream),
+        "link": entry.link,
+    }
+
+
+def skipped_record(cell: Cell, reason: str, **placement) -> CellRecord:
+    return CellRecord.of(cell, "skipped", skip_reason=reason, **placement)
+
+
+def skipped_exploration_record(target: Cell, reason: str) -> dict:
+    return {"target": target.id, **target.axes(), "skip_reason": reason, "findings": []}
+
+
+def harness_failure_record(
+    cell: Cell, phase: str, description: str, duration_s: float = 0.0, **placement
+) -> CellRecord:
+    """A cell that failed outside run_cell: a fixture error, or a worker process that died."""
+    signature = signature_of_crash(phase, description.strip().splitlines()[-1] if description.strip() else phase)
+    return CellRecord.of(
+        cell,
+        "failed",
+        phase=phase,
+        signature=signature.as_dict(),
+        message=description[-4000:],
+        duration_s=duration_s,
+        **placement,
+    )
+
+
+def timeout_record(cell: Cell, timeout_s: float, stacks: str, **placement) -> CellRecord:
+    """A cell stopped after --cell-timeout; `stacks` is where it was (pytest-timeout or faulthandler)."""
+    signature = Signature("timeout", "Timeout", TIMEOUT_SIGNATURE_MESSAGE, "<cell timeout>")
+    return CellRecord.of(
+        cell,
+        "failed",
+        phase="timeout",
+        signature=signature.as_dict(),
+        message=f"stopped after {timeout_s:g} s\n{crash_dump.condense(stacks)}",
+        duration_s=float(timeout_s),
+        **placement,
+    )
+
+
+def crash_record(cell: Cell, cause: str, stacks: str, duration_s: float, **placement) -> CellRecord:
+    """A cell whose process died: `cause` names the signal (SIGSEGV) or the exit status."""
+    signature = Signature("crash", "ProcessDied", cause, crash_dump.crash_origin(stacks))
+    return CellRecord.of(
+        cell,
+        "failed",
+        phase="crash",
+        signature=signature.as_dict(),
+        message=f"the process running this cell died: {cause}\n{crash_dump.condense(stacks)}",
+        duration_s=round(duration_s, 4),
+        **placement,
+    )
+
+
+def outcome_counts(records) -> dict[str, int]:
+    from collections import Counter
+
+    return Counter(r["outcome"] for r in records)

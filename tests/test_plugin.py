@@ -1,0 +1,231 @@
+"""The matrix as a pytest plugin in a project of its own (pytester): a model kind, a precision, an
+engine, a device and a catalogue entry registered from outside the package, each with one
+register() call (tests/plugins/user_axes.py, the README's "Extending the matrix"); their cells
+re-run, replay and reproduce from the commands the report records; and a plugin that does not
+load, or an option out of range, stops the run in one line before anything is written."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+ROOT = Path(__file__).resolve().parent.parent
+SELECTION = (
+    "--model", "user-broken",
+    "--precision", "fp32,bf16-mixed,fp16-true,fp16-mixed-unscaled",
+    "--mode", "train",
+    "--device", "cpu,cpu-alias",
+    "--engine", "torch,torch-twin,accelerate",
+)  # fmt: skip
+
+
+@pytest.fixture
+def project(pytester, monkeypatch):
+    """A downstream project: its conftest loads the plugin module, its test module imports the
+    matrix's test; the matrix's own plugin comes from its pytest11 entry point."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    pytester.makeconftest("import user_axes  # noqa: F401  (registers its axis values and catalogue)\n")
+    pytester.makepyfile(test_matrix="from matrix.pytest_cases import test_cell  # noqa: F401\n")
+    return pytester
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    """One run of the user's axis values through `python -m matrix run -p user_axes`."""
+    directory = tmp_path_factory.mktemp("user-run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+    env.pop("PYTEST_ADDOPTS", None)
+    command = [sys.executable, "-m", "matrix", "run", "-p", "user_axes", *SELECTION, "-p", "no:cacheprovider"]
+    command += ["--report-dir", str(directory / "reports"), "--run-id", "user"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    results = json.loads((directory / "reports" / "user" / "results.json").read_text())
+    return done, {cell["id"]: cell for cell in results["cells"]}, env, directory
+
+
+def test_each_registered_axis_value_runs_beside_the_built_in_ones(user_run):
+    done, cells, _, _ = user_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(cells) == 4 * 2 * 3  # precisions x devices x engines, train only
+    for device in ("cpu", "cpu-alias"):
+        for engine in ("torch", "torch-twin", "accelerate"):
+            assert cells[f"user-broken-fp32-train-{device}-{engine}"]["outcome"] == "passed"
+            # the user's catalogue entry, added to the built-in catalogue
+            assert cells[f"user-broken-bf16-mixed-train-{device}-{engine}"]["known_failure"]["id"] == (
+                "user-broken-backward"
+            )
+            # a built-in known class reaches the user's kind through its trait (full-weights)
+            fp16_true = cells[f"user-broken-fp16-true-train-{device}-{engine}"]
+            assert (fp16_true["outcome"], fp16_true["known_failure"]["id"]) == ("known", "adamw-fp16-eps-underflow")
+        # the user's precision: the torch loops run it; accelerate cannot be told it, and says why
+        assert cells[f"user-broken-fp16-mixed-unscaled-train-{device}-torch"]["known_failure"]["id"] == (
+            "user-broken-backward"
+        )
+        skipped = cells[f"user-broken-fp16-mixed-unscaled-train-{device}-accelerate"]
+        assert skipped["outcome"] == "skipped"
+        assert skipped["skip_reason"] == "Requires: [an accelerate setting for float16 autocast without a grad scaler]"
+    # the same loop under another name, on the same device under another name: the same losses
+    losses = {c["metrics"]["train_losses"][0] for k, c in cells.items() if "-fp32-" in k and "accelerate" not in k}
+    assert len(losses) == 1
+
+
+def test_a_user_cells_recorded_rerun_runs_it_again(user_run):
+    _, cells, env, directory = user_run
+    rerun = cells["user-broken-bf16-mixed-train-cpu-alias-torch-twin"]["rerun"]
+    assert rerun.endswith("-p user_axes"), rerun  # the plugin the cell's values come from
+    command = shlex.split(rerun)
+    assert command[0] == "pytest"
+    done = subprocess.run(
+        [sys.executable, "-m", *command, "--report-dir", str(directory / "rerun")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 xfailed" in done.stdout, done.stdout[-3000:]
+
+
+def test_replay_and_repro_load_the_users_plugin(user_run, tmp_path):
+    _, cells, env, _ = user_run
+    cell = "user-broken-bf16-mixed-train-cpu-torch"
+    signature = cells[cell]["signature"]
+    replay = subprocess.run(
+        [sys.executable, "-m", "matrix", "replay", "-p", "user_axes", cell],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert replay.returncode == 1 and replay.stdout.startswith(f"{signature['id']} {signature['text']}")
+
+    script = tmp_path / "repro.py"
+    repro = subprocess.run(
+        [sys.executable, "-m", "matrix", "repro", "-p", "user_axes", cell, "-o", str(script)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert repro.returncode == 0, repro.stderr
+    assert 'importlib.import_module("user_axes")' in script.read_text() or "'user_axes'" in script.read_text()
+    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ran.returncode == 1 and "REPRODUCED in train_steps: RuntimeError: expected m1 and m2" in ran.stdout
+
+
+def test_a_project_of_its_own_gets_the_cells_from_its_conftest(project):
+    done = project.runpytest_subprocess(
+        "--model", "user-broken", "--precision", "fp32,bf16-mixed", "--mode", "train", "--device", "cpu",
+        "--engine", "torch", "--report-dir", str(project.path / "reports"), "-p", "no:cacheprovider",
+    )  # fmt: skip
+    done.assert_outcomes(passed=1, xfailed=1)
+    results = json.loads((project.path / "reports" / "latest" / "results.json").read_text())
+    rerun = {c["id"]: c["rerun"] for c in results["cells"]}
+    # the node id is the project's own test module; its conftest loads the plugin, so no -p
+    expected = "pytest 'test_matrix.py::test_cell[user-broken-fp32-train-cpu-torch]'"
+    assert rerun["user-broken-fp32-train-cpu-torch"] == expected
+
+
+def test_another_test_taking_a_cell_argument_is_left_alone(project):
+    """Only the matrix's own tests are parametrized with the cells; the plugin's fixtures and
+    parametrization do not leak into a project's other tests."""
+    project.makepyfile(
+        test_other="""
+        import pytest
+
+        @pytest.mark.parametrize("cell", ["mine"])
+        def test_mine(cell, request):
+            assert cell == "mine"
+            assert "isolated_torch_state" not in request.fixturenames
+        """
+    )
+    done = project.runpytest_subprocess("test_other.py", "--no-report", "-p", "no:cacheprovider")
+    done.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("plugin_source", "expected"),
+    [
+        ("def broken(:\n    pass\n", "-p bad_plugin: "),
+        (
+            "from matrix.models import register\n"
+            "from matrix.models.tiny_llama import TinyLlama\n"
+            "register(TinyLlama())\n",
+            "model kind 'tiny-llama' is already registered (by matrix.models.tiny_llama.TinyLlama)",
+        ),
+    ],
+    ids=["syntax-error", "name-taken"],
+)
+def test_a_plugin_that_does_not_load_is_one_line_and_exit_2(tmp_path, plugin_source, expected):
+    (tmp_path / "bad_plugin.py").write_text(plugin_source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env.pop("PYTEST_ADDOPTS", None)
+    reports = tmp_path / "reports"
+    command = [sys.executable, "-m", "matrix", "run", "-p", "bad_plugin", "--model", "tiny-llama", "--report-dir"]
+    done = subprocess.run([*command, str(reports)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    message = done.stderr.strip()
+    assert message.count("\n") == 0 and expected in message and "Traceback" not in message, message
+    assert not reports.exists() or not any(reports.iterdir())
+
+
+def test_a_taken_name_is_plain_pytests_usage_error(tmp_path):
+    (tmp_path / "bad_plugin.py").write_text(
+        "from matrix.engines import register\nfrom matrix.engines.torch_loop import TorchEngine\n"
+        "register(TorchEngine())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env.pop("PYTEST_ADDOPTS", None)
+    command = [sys.executable, "-m", "pytest", "cases", "-p", "bad_plugin", "--report-dir", str(tmp_path / "r")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 4  # pytest's usage error
+    assert done.stderr.strip() == (
+        "ERROR: engine 'torch' is already registered (by matrix.engines.torch_loop.TorchEngine)"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("-1", "--cell-timeout: '-1' is not a positive number of seconds"),
+     ("abc", "--cell-timeout: 'abc' is not a number of seconds")],
+)  # fmt: skip
+def test_a_cell_timeout_out_of_range_is_refused(tmp_path, value, expected):
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    reports = tmp_path / "reports"
+    plain = [sys.executable, "-m", "pytest", "cases", f"--cell-timeout={value}", "--report-dir", str(reports)]
+    done = subprocess.run(plain, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr.strip()) == (4, f"ERROR: {expected}")
+    run = [sys.executable, "-m", "matrix", "run", "--cell-timeout", value, "--report-dir", str(reports)]
+    done = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr.strip()) == (2, f"python -m matrix run: {expected}")
+    assert not reports.exists()
+
+
+def test_the_trainer_says_it_cannot_drive_a_kind_whose_forward_takes_no_labels(registered):
+    from torch import nn
+
+    from matrix.engines import ENGINES
+    from matrix.models import MODELS
+    from matrix.models.tiny_transformer import TinyTransformer
+
+    class NoLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(99, 8)
+
+        def forward(self, input_ids, padding_mask):
+            return self.embed(input_ids).mean(1)
+
+    class NoLabelsKind(TinyTransformer):
+        name = "no-labels"
+        description = "forward(input_ids, padding_mask) only (test)"
+
+        def create(self):
+            return NoLabels()
+
+    registered(MODELS, NoLabelsKind())
+    reason = ENGINES["hf-trainer"].kind_skip_reason(MODELS["no-labels"])
+    assert reason == (
+        "Requires: [a model whose forward(**batch) takes the batch's keys, labels included, and returns the loss] "
+        "(no-labels's forward does not take labels)"
+    )
+    assert ENGINES["hf-trainer"].kind_skip_reason(MODELS["tiny-transformer"]) is None
+    assert ENGINES["torch"].kind_skip_reason(MODELS["no-labels"]) is None  # the loops call the kind's loss()
