@@ -184,6 +184,53 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def downstream(session: nox.Session) -> None:
+    """examples/downstream, a project with a model kind and a catalogue entry of its own, run
+    against the matrix as a user gets it: a wheel built from this checkout, then checked.
+
+    The venv holds torch, the wheel (its dependencies resolved by pip from its metadata) and the
+    example, not this checkout. The wheel and the example are rebuilt and reinstalled every run;
+    their dependencies only when torch, pyproject.toml or the example's pyproject.toml change.
+    Arguments after -- go to pytest, after the session's CPU selection.
+    """
+    import shutil
+
+    if session.venv_backend == "none":
+        session.error("downstream tests the installed wheel in a venv of its own: run it without --no-venv")
+    example = ROOT / "examples" / "downstream"
+    tmp = Path(session.create_tmp()).resolve()  # absolute: the session changes directory below
+    matrix_source, example_source = tmp / "matrix-src", tmp / "example-src"
+    wheels, reports = tmp / "wheels", tmp / "reports"
+    for path in (matrix_source, example_source, wheels, reports):
+        shutil.rmtree(path, ignore_errors=True)
+    # Build from clean copies: setuptools builds inside the source tree, and a build/ left there
+    # by an earlier build would carry modules that have since been moved or deleted.
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".pytest_cache")
+    shutil.copytree(ROOT / "matrix", matrix_source / "matrix", ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, matrix_source / name)
+    shutil.copytree(example, example_source, ignore=skip)
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(matrix_source))
+    wheel = str(next(wheels.glob("precision_matrix-*.whl")))
+
+    torch_args = [TORCH_REQUIREMENT] + (["--index-url", TORCH_INDEX_URL] if TORCH_INDEX_URL else [])
+    key = "\n".join([*torch_args, (ROOT / "pyproject.toml").read_text(), (example / "pyproject.toml").read_text()])
+    stamp = Path(session.virtualenv.location) / ".downstream-dependencies"
+    if not stamp.exists() or stamp.read_text() != key:
+        session.install(*torch_args)  # first, so the wheel's torch>= requirement is already met
+        session.install(wheel, str(example_source))  # their dependencies, resolved from the metadata
+        stamp.write_text(key)
+    # this run's builds: their version numbers never change, and pip keeps an installed version
+    session.install("--force-reinstall", "--no-deps", wheel, str(example_source))
+
+    session.chdir(example)
+    selection = ["--device", "cpu", "--engine", "torch,accelerate", "--mode", "train,eval", "--model", "bag-classifier"]
+    # --report-dir=DIR in one word: pytest takes a separate existing path argument into its rootdir
+    session.run("python", "-m", "pytest", *selection, f"--report-dir={reports}", *session.posargs)
+    session.run("python", "check_results.py", str(reports), "--checkout", str(ROOT))
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """How fast the matrix runs and what its harness costs: writes BENCHMARKS.md (matrix/bench.py).
 
