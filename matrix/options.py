@@ -7,7 +7,7 @@ messages. Standard library only.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from matrix.cell import AXES
 
@@ -29,7 +29,6 @@ class Option:
     hidden: bool = False
     check: object = None  # value -> value, raising OptionError
     runner_needs: bool = False  # python -m matrix run reads it too
-    extra: dict = field(default_factory=dict)
 
     @property
     def dest(self) -> str:

@@ -260,16 +260,6 @@ def rerun_command(config, nodeid: str, cell: Cell) -> str:
     return shlex.join(command)
 
 
-def cell_nodeid(config, cell: Cell, nodeid: str | None = None) -> str:
-    """A node id for the cell: the one pytest gave it, else the test module the run collected
-    the matrix's test from (a crashed worker's report carries only a node id)."""
-    if nodeid:
-        return nodeid
-    recorder = config.stash.get(recorder_key, None)
-    module = recorder.cell_module if recorder is not None and recorder.cell_module else "cases/test_cells.py"
-    return f"{module}::test_cell[{cell.id}]"
-
-
 def invocation() -> str:
     if os.environ.get(COMMAND_VARIABLE):  # started by python -m matrix run
         return os.environ[COMMAND_VARIABLE]
@@ -301,7 +291,6 @@ class Recorder:
             message = str(error) if isinstance(error, RunInUse) else f"--run-id: {error}"
             raise pytest.UsageError(message) from None
         self.nodeids: dict[str, Cell] = {}
-        self.cell_module: str | None = None
         self.previous_sigterm = None
 
     def pytest_configure(self, config):
@@ -320,7 +309,6 @@ class Recorder:
     def pytest_collection_modifyitems(self, session, config, items):
         self.selected = {matrix_item_id(item) for item in items} - {None} | self.run.done()  # resumed: done too
         self.nodeids = {item.nodeid: item.callspec.params["cell"] for item in items if is_cell_item(item)}
-        self.cell_module = next((n.split("::")[0] for n in self.nodeids), None)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids):
@@ -328,8 +316,8 @@ class Recorder:
         if not self.run.open:
             matrix_ids = {cell_id_from_nodeid(n) or cell_id_from_nodeid(n, "test_explore") for n in ids}
             self.selected = matrix_ids - {None} | self.run.done()
-            self.cell_module = next((n.split("::")[0] for n in ids if "::test_cell[" in n), None)
-            self.start()
+            if self.selected:  # a run of other tests (the harness's own) writes no report
+                self.start()
 
     def pytest_collection_finish(self, session):
         if getattr(self, "selected", None) and not self.run.open:

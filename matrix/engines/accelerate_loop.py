@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from matrix import checks
-from matrix.engines.base import Engine, Unsupported, autocast_with_scaler, no_separate_gradients, register
+from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -133,8 +133,7 @@ class AccelerateEngine(Engine):
     evaluate = staticmethod(evaluate)
 
     def derive_settings(self, precision: Precision) -> dict | Unsupported:
-        what = "an accelerate setting"
-        unsupported = no_separate_gradients(self.name, what, precision) or autocast_with_scaler(what, precision)
+        unsupported = one_switch_unsupported(self.name, "an accelerate setting", precision)
         if unsupported:
             return unsupported
         return {

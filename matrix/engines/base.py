@@ -80,23 +80,18 @@ ENGINES: Registry[Engine] = Registry("engine", Engine)
 register = ENGINES.register
 
 
-def autocast_with_scaler(what: str, precision: Precision) -> Unsupported | None:
-    """The libraries that take one mixed-precision switch tie the grad scaler to fp16 autocast:
-    a precision that pairs them otherwise cannot be said to them."""
+def one_switch_unsupported(engine: str, what: str, precision: Precision) -> Unsupported | None:
+    """Why an engine whose library takes one mixed-precision switch (accelerate, the Trainer,
+    Lightning) cannot be told `precision`, or None. Such a library keeps gradients in the
+    weights' dtype, steps once per micro-batch, and ties the grad scaler to fp16 autocast."""
     import torch
 
-    scaled = precision.autocast_dtype == torch.float16
-    if precision.grad_scaler != scaled:
-        has = "with" if precision.grad_scaler else "without"
-        autocast = dtype_name(precision.autocast_dtype) if precision.autocast_dtype else "no"
-        return Unsupported(f"Requires: [{what} for {autocast} autocast {has} a grad scaler]")
-    return None
-
-
-def no_separate_gradients(engine: str, what: str, precision: Precision) -> Unsupported | None:
-    """An engine whose library keeps gradients in the weights' dtype, one micro-batch per step."""
     if precision.grad_dtype is not None:
         return Unsupported(f"Requires: [{what} for gradients in another dtype than the weights]")
     if precision.grad_accumulation > 1:
         return Unsupported(f"Requires: [micro-batch accumulation wired into the {engine} engine]")
+    if precision.grad_scaler != (precision.autocast_dtype == torch.float16):
+        has = "with" if precision.grad_scaler else "without"
+        autocast = dtype_name(precision.autocast_dtype) if precision.autocast_dtype else "no"
+        return Unsupported(f"Requires: [{what} for {autocast} autocast {has} a grad scaler]")
     return None

@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from matrix import checks
 from matrix.engines.accelerate_loop import reset_accelerate
-from matrix.engines.base import Engine, Unsupported, autocast_with_scaler, no_separate_gradients, register, run_tagged
+from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register, run_tagged
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -267,8 +267,7 @@ class HFTrainerEngine(Engine):
         return forward_skip_reason(kind)
 
     def derive_settings(self, precision: Precision) -> dict | Unsupported:
-        what = "a TrainingArguments setting"
-        unsupported = no_separate_gradients(self.name, what, precision) or autocast_with_scaler(what, precision)
+        unsupported = one_switch_unsupported(self.name, "a TrainingArguments setting", precision)
         if unsupported:
             return unsupported
         return {"fp16": precision.autocast_dtype == torch.float16, "bf16": precision.autocast_dtype == torch.bfloat16}

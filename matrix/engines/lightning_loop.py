@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from matrix import checks
-from matrix.engines.base import Engine, Unsupported, autocast_with_scaler, no_separate_gradients, register, run_tagged
+from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register, run_tagged
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -217,8 +217,7 @@ class LightningEngine(Engine):
     evaluate = staticmethod(evaluate)
 
     def derive_settings(self, precision: Precision) -> dict | Unsupported:
-        what = "a Lightning precision"
-        unsupported = no_separate_gradients(self.name, what, precision) or autocast_with_scaler(what, precision)
+        unsupported = one_switch_unsupported(self.name, "a Lightning precision", precision)
         if unsupported:
             return unsupported
         if precision.autocast_dtype is not None:  # Lightning's mixed plugins autocast over the weights as built

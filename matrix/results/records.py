@@ -8,6 +8,7 @@ it afterwards. `as_dict()` is its JSON form, in the schema's field order.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from matrix.cell import Cell
@@ -109,7 +110,5 @@ def crash_record(cell: Cell, cause: str, stacks: str, duration_s: float, **place
     )
 
 
-def outcome_counts(records) -> dict[str, int]:
-    from collections import Counter
-
+def outcome_counts(records) -> Counter:
     return Counter(r["outcome"] for r in records)
