@@ -28,8 +28,6 @@ from matrix.devices.cuda import interpret_triton_without_cuda
 
 interpret_triton_without_cuda()  # before anything imports triton (transformers' models do)
 
-import transformers
-
 from matrix import catalogue as known_failures
 from matrix import environment, options
 from matrix.cell import AXES, Cell, cell_id_from_nodeid
@@ -49,8 +47,6 @@ from matrix.results.run_directory import reports_root
 from matrix.runner import COMMAND_VARIABLE
 from matrix.selection import axis_values, cell_from_id, enumerate_cells, parse_selection
 from matrix.shards import parse_shard, shard_cells
-
-transformers.utils.logging.disable_progress_bar()
 
 RESULT_PROPERTY = "matrix_result"
 EXPLORATION_PROPERTY = "matrix_exploration"

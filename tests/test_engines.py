@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState
 
 from matrix.cell import Cell
 from matrix.engines import ENGINES
-from matrix.engines.hf_trainer import RecordingTrainer
+from matrix.engines.hf_trainer import _trainer_classes
 from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
@@ -166,7 +166,7 @@ def test_an_engine_that_feeds_the_rows_in_another_order_fails_the_check_with_dro
 ):
     """A deliberately different engine: the Trainer fed the rows backwards. Without dropout the
     mean loss does not care; with dropout each row gets another row's masks, and the check says so."""
-    monkeypatch.setattr(RecordingTrainer, "_get_train_sampler", lambda self, *a, **k: [2, 1, 0])
+    monkeypatch.setattr(_trainer_classes().RecordingTrainer, "_get_train_sampler", lambda self, *a, **k: [2, 1, 0])
     variant = MODELS["tiny-llama"].grid_variant.replace(dropout=dropout)
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", "hf-trainer"), tmp_path, variant=variant)
     assert result.outcome == outcome, result.message

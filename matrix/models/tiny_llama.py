@@ -1,7 +1,5 @@
 """tiny-llama: transformers LlamaForCausalLM from a tiny config (GQA, RoPE, RMSNorm)."""
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from matrix.models.base import register
 from matrix.models.causal_lm import CausalLMKind
 from matrix.variants import InvalidVariant
@@ -11,8 +9,8 @@ class TinyLlama(CausalLMKind):
     name = "tiny-llama"
     axis_position = 1
     description = "transformers LlamaForCausalLM, tiny config"
-    model_class = LlamaForCausalLM
-    config_class = LlamaConfig
+    model_class_name = "LlamaForCausalLM"
+    config_class_name = "LlamaConfig"
 
     def check_variant(self, variant) -> None:
         super().check_variant(variant)
