@@ -144,3 +144,32 @@ def test_a_cell_runs_and_a_run_is_recorded_without_pytest():
     assert found["pytest"] is False
     assert (found["outcome"], found["entry"]) == ("known", "adamw-fp16-eps-underflow")
     assert found["cells"]["known"] == 1
+
+
+LIBRARIES = ("transformers", "peft", "accelerate", "lightning", "liger_kernel")
+LAZY = """
+import sys
+import matrix.plugin, matrix.models, matrix.engines
+from matrix.execute import run_cell
+from matrix.cell import Cell
+loaded_first = sorted(name for name in {libraries!r} if name in sys.modules)
+import tempfile, pathlib
+with tempfile.TemporaryDirectory() as workdir:
+    result = run_cell(Cell("tiny-transformer", "fp32", "train", "cpu", "torch"), pathlib.Path(workdir))
+loaded_after_torch_cell = sorted(name for name in {libraries!r} if name in sys.modules)
+with tempfile.TemporaryDirectory() as workdir:
+    llama = run_cell(Cell("lora", "fp32", "eval", "cpu", "accelerate"), pathlib.Path(workdir))
+loaded_last = sorted(n for n in {libraries!r} if n in sys.modules)
+print(loaded_first, loaded_after_torch_cell, result.outcome, llama.outcome, loaded_last)
+"""
+
+
+def test_the_plugin_imports_no_model_or_engine_library_until_a_cell_needs_it():
+    """Importing transformers' model classes, peft and Lightning costs seconds of CPU; a process
+    that collects, refuses its input or runs only torch-engine cells of torch's own models pays
+    none of it. A cell that needs a library still gets it."""
+    script = LAZY.format(libraries=LIBRARIES)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("[] [] passed passed ['accelerate', 'peft', 'transformers']"), line
