@@ -32,6 +32,8 @@ from matrix.results.records import CellRecord, known_failure_record
 from matrix.signatures import Signature, signature_of
 from matrix.variants import Variant
 
+DEADLINE_SHARE = 0.9
+
 
 @dataclass
 class CellResult:
@@ -53,6 +55,8 @@ def _record_failure(result: CellResult, phase: str, exc: BaseException) -> None:
     if getattr(exc, "details", None):
         result.message += f" ({exc.details})"
     result.traceback = "".join(traceback.format_exception(exc))
+    if getattr(exc, "remote_traceback", None):  # raised in another process (a rank): its own traceback
+        result.traceback += "\nraised in the rank as:\n" + exc.remote_traceback
 
 
 def run_cell(
@@ -61,12 +65,15 @@ def run_cell(
     device_index: int = 0,
     run_contradictory: bool = False,
     variant: Variant | None = None,
+    timeout_s: float | None = None,
 ) -> CellResult:
     """Run a cell's phases. A precision policy that contradicts itself fails in the
     `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
     record what the stack itself raises. `device_index` picks one of an indexed device (cuda:N).
     `variant` replaces the model kind's grid settings
-    (raises InvalidVariant for settings the kind cannot take)."""
+    (raises InvalidVariant for settings the kind cannot take). `timeout_s`: the cell's own limit;
+    an engine that waits on other processes gives up at DEADLINE_SHARE of it, so that it, not
+    the harness's kill, records which process did not answer."""
     kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
     precision = PRECISIONS[cell.precision]
     if kind.variant.grad_accumulation is not None:
@@ -78,6 +85,7 @@ def run_cell(
         device=DEVICES[cell.device].torch_device(device_index),
         workdir=workdir,
         metrics={"declared": precision.settings()},
+        deadline=None if timeout_s is None else time.monotonic() + DEADLINE_SHARE * timeout_s,
     )
     if variant is not None:
         state.metrics["variant"] = kind.variant.only(kind.variant_fields)
@@ -147,11 +155,12 @@ def run_and_record(
     device_index: int = 0,
     run_contradictory: bool = False,
     rerun: str | None = None,
+    timeout_s: float | None = None,
 ) -> RecordedCell:
     """Run the cell and make its record: passed, or failed as a catalogue entry in force says
     (known), or failed as none says (failed: new), or passed against an entry's claim (fixed)."""
     claims = catalogue.in_force(cell, installed)
-    result = run_cell(cell, workdir, device_index, run_contradictory=run_contradictory)
+    result = run_cell(cell, workdir, device_index, run_contradictory=run_contradictory, timeout_s=timeout_s)
     signature = result.signature
     outcome, entry = classify(result.outcome, signature.text if signature else None, claims)
     record = CellRecord.of(

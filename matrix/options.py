@@ -55,6 +55,13 @@ def natural(text) -> int:
     return value
 
 
+def world_size(text) -> int:
+    value = natural(text)
+    if value < 1:
+        raise OptionError(f"{text!r} is not a number of ranks (at least 1)")
+    return value
+
+
 OPTIONS: tuple[Option, ...] = (
     *(
         Option(
@@ -93,6 +100,15 @@ OPTIONS: tuple[Option, ...] = (
         default=str(CELL_TIMEOUT_S),
         metavar="S",
         check=positive_seconds,
+        runner_needs=True,
+    ),
+    Option(
+        "--world-size",
+        "ranks of the process group the distributed engines (ddp, fsdp2) run on (default 2; gloo on CPU, nccl on "
+        "CUDA with one GPU per rank)",
+        default="2",
+        metavar="N",
+        check=world_size,
         runner_needs=True,
     ),
     Option("--matrix-resume", "", flag_only=True, hidden=True),

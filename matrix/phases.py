@@ -53,6 +53,9 @@ class CellState:
     # seeded_training_loss of a fresh model: the loss-decrease check's "before" and the
     # cross-engine check's torch-engine yardstick in training, measured once per cell
     loss_before_training: float | None = None
+    # time.monotonic() by which the cell must be done (its --cell-timeout), or None: what an
+    # engine that waits on other processes (the distributed ones) waits for at most
+    deadline: float | None = None
 
     @property
     def device_type(self) -> str:

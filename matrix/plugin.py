@@ -108,6 +108,9 @@ def pytest_configure(config):
     except known_failures.CatalogueError as error:
         raise pytest.UsageError(f"--catalogue: {error}") from None
     config.stash[installed_key] = environment.package_versions()
+    from matrix.engines import distributed
+
+    distributed.WORLD_SIZE["value"] = option(config, "matrix_world_size")
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = reports_root(config.getoption("matrix_report_dir"), config.invocation_params.dir)
         config.stash[recorder_key] = Recorder(config, root, config.getoption("matrix_run_id"))
@@ -127,6 +130,7 @@ def skip_reason(cell: Cell, index: int) -> str | None:
     return (
         engine.unsupported_reason(precision)
         or DEVICES[cell.device].skip_reason(precision, index)
+        or engine.device_skip_reason(DEVICES[cell.device])
         or MODELS[cell.model].skip_reason(cell.device)
         or engine.kind_skip_reason(MODELS[cell.model])
     )

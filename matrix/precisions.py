@@ -29,6 +29,9 @@ class Precision:
     # micro-batches accumulated per optimizer step: SimpleTuner's --gradient_precision.
     grad_dtype: torch.dtype | None = None
     grad_accumulation: int = 1
+    # The dtype gradients are reduced in across ranks (DDP's compress hooks, FSDP's
+    # reduce_dtype); None: the gradients' own dtype. Only a distributed engine reduces.
+    reduce_dtype: torch.dtype | None = None
 
     def contradictions(self) -> list[str]:
         """Settings that cannot hold together, found before any step runs."""
@@ -66,6 +69,7 @@ class Precision:
             "weights_from": self.weights_from,
             "grad_dtype": dtype_name(self.grad_dtype) if self.grad_dtype else None,
             "grad_accumulation": self.grad_accumulation,
+            "reduce_dtype": dtype_name(self.reduce_dtype) if self.reduce_dtype else None,
         }
 
 
@@ -102,6 +106,24 @@ for _precision in (
         "load",
         grad_dtype=_F32,
         grad_accumulation=2,
+    ),
+    # Data-parallel training that halves its gradient traffic: fp32 master weights and gradients,
+    # reduced across ranks in half precision (DDP's fp16/bf16_compress_hook, FSDP's reduce_dtype).
+    Precision(
+        "fp16-mixed-fp16-reduce",
+        _F32,
+        _F16,
+        True,
+        "fp32 master weights, fp16 autocast, GradScaler, gradients reduced across ranks in fp16",
+        reduce_dtype=_F16,
+    ),
+    Precision(
+        "bf16-mixed-bf16-reduce",
+        _F32,
+        _BF16,
+        False,
+        "fp32 master weights, bf16 autocast, gradients reduced across ranks in bf16",
+        reduce_dtype=_BF16,
     ),
 ):
     register(_precision)

@@ -50,6 +50,7 @@ def test_cell(cell, tmp_path, request, isolated_torch_state):
         device_index=plugin.device_index(config),
         run_contradictory=config.getoption("matrix_run_contradictory"),
         rerun=rerun,
+        timeout_s=plugin.option(config, "matrix_cell_timeout"),
     )
     request.node.user_properties.append((plugin.RESULT_PROPERTY, done.record.as_dict()))
     if done.poison:  # this process's device context is gone: stop here, python -m matrix run resumes in a new one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -39,6 +40,7 @@ class Registry(Mapping, Generic[T]):
     def __init__(self, what: str, kind: type) -> None:
         self.what, self.kind = what, kind
         self._items: dict[str, T] = {}
+        self._registered_in: dict[str, str] = {}
 
     def register(self, item: T) -> T:
         if not isinstance(item, self.kind):
@@ -52,7 +54,14 @@ class Registry(Mapping, Generic[T]):
                 f"{self.what} {name!r} is already registered (by {type(taken).__module__}.{type(taken).__name__})"
             )
         self._items[name] = item
+        # the module whose code called register(): importing it registers the item in another
+        # process (the distributed engines' ranks)
+        self._registered_in[name] = sys._getframe(1).f_globals.get("__name__", "")
         return item
+
+    def registered_in(self, name: str) -> str:
+        """The module that registered `name` (its import registers it again elsewhere)."""
+        return self._registered_in[name]
 
     def unregister(self, name: str) -> None:
         """For tests that register an item of their own and must leave the registry as it was."""

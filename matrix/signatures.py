@@ -104,6 +104,9 @@ class Signature:
 
 
 def signature_of(phase: str, exc: BaseException) -> Signature:
+    remote = getattr(exc, "remote_signature", None)
+    if remote is not None:  # raised in another process (a rank), whose traceback gave the origin
+        return Signature(phase, remote.exc_type, remote.message, remote.origin)
     message = str(exc) or (exc.args[0] if exc.args else "")
     return Signature(phase, exception_type(exc), normalize_message(str(message)), origin_of(exc))
 

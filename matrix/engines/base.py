@@ -45,6 +45,7 @@ class Engine(abc.ABC):
     # them at the grid's value for this engine. Micro-batch accumulation is wired only where
     # an engine says so.
     fixed_variant_fields: tuple[str, ...] = ("grad_accumulation",)
+    distributed = False  # True: the engine runs on several ranks and reduces gradients across them
 
     def phases(self, mode: str) -> dict:
         """Phase name -> bound method, for every phase of the mode."""
@@ -59,13 +60,25 @@ class Engine(abc.ABC):
         accumulation) is called in this engine's library, or Unsupported(reason). The weights
         dtype itself is set by the cell in every engine (Precision.weights_from)."""
 
+    def derive_or_refuse(self, precision: Precision) -> dict | Unsupported:
+        if precision.reduce_dtype is not None and not self.distributed:
+            return Unsupported(
+                f"Requires: [gradients reduced across ranks, in {dtype_name(precision.reduce_dtype)}] "
+                f"(the {self.name} engine runs one process)"
+            )
+        return self.derive_settings(precision)
+
     def settings(self, precision: Precision) -> dict:
-        derived = self.derive_settings(precision)
+        derived = self.derive_or_refuse(precision)
         return {"unsupported": derived.reason} if isinstance(derived, Unsupported) else derived
 
     def unsupported_reason(self, precision: Precision) -> str | None:
-        derived = self.derive_settings(precision)
+        derived = self.derive_or_refuse(precision)
         return derived.reason if isinstance(derived, Unsupported) else None
+
+    def device_skip_reason(self, device) -> str | None:
+        """Why this engine cannot run on a device of the device axis here, or None."""
+        return None
 
     def kind_skip_reason(self, kind) -> str | None:
         """Why this engine cannot drive a model kind ("Requires: [...] (...)"), or None."""

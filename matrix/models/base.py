@@ -138,6 +138,11 @@ class ModelKind(abc.ABC):
     def batch(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The fixed batch every step and every evaluation runs on."""
 
+    def loss_items(self, batch: dict[str, torch.Tensor]) -> int:
+        """How many items loss() averages over in `batch` (some rows of the fixed batch, when
+        the distributed engines split it across ranks): rows, unless the kind says otherwise."""
+        return len(next(iter(batch.values())))
+
     @abc.abstractmethod
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward pass and scalar training loss."""

@@ -113,6 +113,10 @@ class CausalLMKind(base.ModelKind):
     def loss(self, model, batch):
         return model(**batch, use_cache=False).loss
 
+    def loss_items(self, batch) -> int:
+        """The labels predicted: the model scores the output at t against label t+1."""
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
     def evaluate(self, model, batch):
         use_cache = self.variant.use_cache_in_eval
         out = model(**batch, use_cache=use_cache)

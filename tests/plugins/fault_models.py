@@ -8,6 +8,7 @@ fault-abort     os.abort(): SIGABRT
 fault-sleep     sleeps for an hour in Python: pytest-timeout interrupts it (--cell-timeout)
 fault-hang      blocks SIGALRM, then sleeps: nothing inside the process can stop it; only
                 python -m matrix run's watchdog can
+fault-rank-segfault  SIGSEGV in rank 1 of a process group (the distributed engines) only
 fault-cuda-assert  raises the error a CUDA device-side assert raises, after which a real
                 process's CUDA context is unusable
 """
@@ -61,6 +62,14 @@ def hang():
     time.sleep(3600)
 
 
+def rank_segfault():
+    """SIGSEGV in rank 1 of a process group only: the other ranks are left waiting."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() == 1:
+        segfault()
+
+
 def cuda_assert():
     raise RuntimeError(
         "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported at some "
@@ -90,5 +99,6 @@ for name, fault in (
     ("fault-sleep", sleep),
     ("fault-hang", hang),
     ("fault-cuda-assert", cuda_assert),
+    ("fault-rank-segfault", rank_segfault),
 ):
     register(fault_kind(name, fault))

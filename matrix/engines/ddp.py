@@ -1,0 +1,158 @@
+"""The ddp engine: torch DistributedDataParallel on a real process group (gloo on CPU, nccl on
+CUDA), each rank training on its rows of the batch, with the precision's torch.autocast and
+GradScaler. Where the precision reduces gradients in half precision, DDP's communication
+hooks compress them (fp16_compress_hook, bf16_compress_hook). Checkpoints are written by
+rank 0 and read back by every rank, as DDP scripts do.
+"""
+
+from __future__ import annotations
+
+from matrix import checks
+from matrix.engines.base import Unsupported, register
+from matrix.engines.distributed import (
+    DistributedEngine,
+    barrier,
+    sharded_evaluate,
+    sharded_step,
+)
+from matrix.phases import (
+    TRAIN_STEPS,
+    CellState,
+    check_against_fp32,
+    check_agrees_with_torch_engine,
+    check_reload,
+    check_training_contract,
+    evaluate_in_precision,
+    resume_one_step,
+    snapshot_trainable,
+    train_until_applied,
+)
+from matrix.precisions import Precision, dtype_name
+
+TRAINER_STATE_FILE = "trainer_state.pt"
+COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
+
+
+def _wrap(state: CellState, model):
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [state.device.index] if state.device.index is not None else None
+    wrapped = DistributedDataParallel(model, device_ids=device_ids)
+    hook = state.metrics["engine_settings"].get("comm_hook")
+    if hook is not None:
+        wrapped.register_comm_hook(None, getattr(default_hooks, hook))
+    state.metrics["engine_effective"] = {
+        "comm_hook": hook,
+        "reduce_dtype": state.metrics["engine_settings"]["reduce_dtype"],
+        "bucket_view": wrapped.gradient_as_bucket_view,
+        "torch": torch.__version__,
+    }
+    return wrapped
+
+
+def _step(state: CellState, context):
+    wrapped, optimizer, scaler = (state.engine_state[k] for k in ("wrapped", "optimizer", "scaler"))
+    return lambda: sharded_step(state, context, wrapped, optimizer, scaler)
+
+
+def rank_train_steps(state: CellState, context) -> None:
+    state.build()
+    state.model.train()
+    trainable = snapshot_trainable(state.model)
+    dtypes = checks.tensor_dtypes(state.model)
+    state.engine_state["wrapped"] = _wrap(state, state.model)
+    state.optimizer = state.engine_state["optimizer"] = state.new_optimizer(state.model)
+    state.scaler = state.engine_state["scaler"] = state.precision.make_grad_scaler(state.device_type)
+    losses = train_until_applied(state, _step(state, context), TRAIN_STEPS)
+    state.metrics["train_losses"] = losses
+    check_agrees_with_torch_engine(state, losses[0], "train")
+    check_training_contract(state, state.model, trainable, dtypes)
+
+
+def rank_mid_training_eval(state: CellState, context) -> None:
+    # evaluated through the wrapped module, as DDP scripts do (DDP itself has no generate())
+    result = sharded_evaluate(state, context, state.model)
+    check_against_fp32(state, result, "mid-training eval")
+    state.model.train()
+
+
+def rank_evaluate(state: CellState, context) -> None:
+    state.build()
+    state.engine_state["wrapped"] = _wrap(state, state.model)
+    result = sharded_evaluate(state, context, state.model)  # the wrapped module, as above
+    check_against_fp32(state, result, "eval")
+    check_agrees_with_torch_engine(state, result.loss.item(), "eval")
+
+
+def rank_checkpoint_save(state: CellState, context) -> None:
+    import torch
+
+    state.outputs_before_save = evaluate_in_precision(state, state.model).logits
+    directory = state.engine_state["shared_dir"] / "checkpoint"
+    if context.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        state.kind.save(state.model, directory)
+        if state.optimizer is not None:
+            trainer_state = {"optimizer": state.optimizer.state_dict()}
+            if state.scaler is not None:
+                trainer_state["grad_scaler"] = state.scaler.state_dict()
+            torch.save(trainer_state, directory / TRAINER_STATE_FILE)
+    barrier()  # every rank reads what rank 0 wrote
+    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+
+
+def rank_checkpoint_reload(state: CellState, context) -> None:
+    import torch
+
+    directory = state.engine_state["shared_dir"] / "checkpoint"
+    reloaded = state.kind.load(directory, state.precision, state.device, state.workdir)
+    check_reload(state, reloaded)
+    if state.optimizer is not None:
+        trainer_state = torch.load(directory / TRAINER_STATE_FILE, weights_only=True, map_location=state.device)
+        optimizer = state.new_optimizer(reloaded)
+        optimizer.load_state_dict(trainer_state["optimizer"])
+        scaler = state.precision.make_grad_scaler(state.device_type)
+        if scaler is not None:
+            scaler.load_state_dict(trainer_state["grad_scaler"])
+        state.optimizer = state.engine_state["optimizer"] = optimizer
+        state.scaler = state.engine_state["scaler"] = scaler
+        state.engine_state["wrapped"] = _wrap(state, reloaded)
+    state.model = reloaded
+
+
+def rank_resumed_step(state: CellState, context) -> None:
+    resume_one_step(state, _step(state, context))
+
+
+class DDPEngine(DistributedEngine):
+    name = "ddp"
+    axis_position = 4
+    description = "torch DistributedDataParallel, 2 ranks (gloo/nccl), autocast + GradScaler, compress hooks"
+
+    rank_train_steps = staticmethod(rank_train_steps)
+    rank_mid_training_eval = staticmethod(rank_mid_training_eval)
+    rank_checkpoint_save = staticmethod(rank_checkpoint_save)
+    rank_checkpoint_reload = staticmethod(rank_checkpoint_reload)
+    rank_resumed_step = staticmethod(rank_resumed_step)
+    rank_evaluate = staticmethod(rank_evaluate)
+
+    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+        if precision.grad_dtype is not None or precision.grad_accumulation > 1:
+            return Unsupported("Requires: [micro-batch accumulation and a gradient dtype wired into the ddp engine]")
+        reduce = precision.reduce_dtype or precision.weights_dtype  # DDP reduces the gradients' own dtype
+        settings: dict = {"reduce_dtype": dtype_name(reduce)}
+        if precision.autocast_dtype is not None:
+            settings["autocast"] = dtype_name(precision.autocast_dtype)
+        if precision.grad_scaler:
+            settings["grad_scaler"] = True
+        if reduce != precision.weights_dtype:
+            hook = COMPRESS_HOOKS.get(dtype_name(reduce))
+            if hook is None:
+                return Unsupported(f"Requires: [a DDP communication hook that reduces in {dtype_name(reduce)}]")
+            settings["comm_hook"] = hook
+        return settings
+
+
+register(DDPEngine())
