@@ -12,7 +12,7 @@ import pytest
 from matrix import bench
 
 ROOT = Path(__file__).resolve().parent.parent
-TWO_CELLS = ("--model", "tiny-llama", "--precision", "fp32", "--engine", "torch", "--device", "cpu")
+TWO_CELLS = ("--model", "tiny-transformer", "--precision", "fp32", "--engine", "torch", "--device", "cpu")
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
@@ -41,7 +41,7 @@ def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
 
     per_cell = f["per_cell"]
     assert (per_cell["cells_run"], per_cell["cells_total"], per_cell["extrapolated"]) == (1, 2, True)
-    assert per_cell["cells"][0] in ("tiny-llama-fp32-eval-cpu-torch", "tiny-llama-fp32-train-cpu-torch")
+    assert per_cell["cells"][0] in ("tiny-transformer-fp32-eval-cpu-torch", "tiny-transformer-fp32-train-cpu-torch")
     assert per_cell["total_s"] == pytest.approx(per_cell["walls_s"][0] * 2)
     assert f["speedup"] == pytest.approx(per_cell["total_s"] / wall)
 

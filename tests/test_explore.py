@@ -183,7 +183,9 @@ def test_variant_json_round_trips_and_names_unknown_fields():
 def test_explorations_are_collected_only_with_explore(run_pytest):
     plain = run_pytest("--collect-only", "-q", "--no-report")
     assert plain.returncode == 0 and "test_explore" not in plain.stdout
-    asked = run_pytest("--collect-only", "-q", "--no-report", "--explore", "--model", "lora", "--device", "cpu")
+    asked = run_pytest(
+        "--collect-only", "-q", "--no-report", "--explore", "--model", "tiny-transformer", "--device", "cpu"
+    )
     targets = [line for line in asked.stdout.splitlines() if "test_explore[" in line]
     # every precision but the fp32 reference and the self-contradictory one, 2 modes, 6 engines
     assert len(targets) == 8 * 2 * 6 and not any("-fp32-" in t or "fp32-grads" in t for t in targets)

@@ -155,7 +155,7 @@ def test_a_killed_controller_loses_only_the_running_cell(tmp_path):
 
 
 def test_two_runs_at_once_never_share_a_directory(tmp_path):
-    base = [sys.executable, "-m", "pytest", "cases", "--model", "tiny-llama", "--precision", "fp32", *CELLS[2:]]
+    base = [sys.executable, "-m", "pytest", "cases", "--model", "tiny-transformer", "--precision", "fp32", *CELLS[2:]]
     both = [
         subprocess.Popen(
             [*base, "--report-dir", str(tmp_path)], cwd=ROOT, env=environment(), stdout=subprocess.PIPE, text=True
@@ -170,7 +170,7 @@ def test_two_runs_at_once_never_share_a_directory(tmp_path):
     # the same --run-id twice: the second is refused before any cell runs, the first is untouched
     first = subprocess.run([*base, "--report-dir", str(tmp_path), "--run-id", "same"], cwd=ROOT, env=environment())
     before = (tmp_path / "same" / "results.json").read_bytes()
-    second = matrix_run(tmp_path, "--model", "tiny-llama", run_id="same")
+    second = matrix_run(tmp_path, "--model", "tiny-transformer", run_id="same")
     assert first.returncode == 0 and second.returncode == 2
     assert second.stderr.strip().count("\n") == 0 and "exists" in second.stderr
     assert (tmp_path / "same" / "results.json").read_bytes() == before

@@ -22,7 +22,7 @@ from matrix.shards import parse_shard, shard_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a test about skipped cuda cells makes them skip, GPU or not
-SELECTION = ("--model", "tiny-transformer,tiny-llama", "--precision", "fp32,bf16-mixed", "--engine", "torch")
+SELECTION = ("--model", "tiny-transformer", "--precision", "fp32,bf16-mixed,bf16-true,fp16-true", "--engine", "torch")
 
 
 @given(st.lists(st.integers(), max_size=40, unique=True), st.integers(min_value=1, max_value=9))
