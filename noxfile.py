@@ -54,6 +54,10 @@ def install_stack(session: nox.Session, *extras: str, stack: str = "default") ->
                 session.install(*pins)  # the stack's pins win over the project's ranges
             stamp.write_text(key)
     session.env["MATRIX_STACK"] = stack  # recorded in every report
+    # Python's own default: cache bytecode, pytest's rewritten modules included. With
+    # PYTHONDONTWRITEBYTECODE set (as on some CI images), every pytest and python -m matrix
+    # process the tests start compiled the package and rewrote 170 modules again: 1.5 s each.
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
     session.run("python", "-m", "matrix.environment")  # prints the torch in use, and its CUDA
 
 
