@@ -122,7 +122,10 @@ class Rank:
             lines = self.log.read_text(errors="replace").strip().splitlines()
         except OSError:
             return ""
-        return " | ".join(lines[-LOG_TAIL_LINES:])
+        fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+        # faulthandler's report starts with its cause and the innermost frames: keep those
+        shown = lines[fatal[-1] : fatal[-1] + LOG_TAIL_LINES] if fatal else lines[-LOG_TAIL_LINES:]
+        return " | ".join(line.strip() for line in shown)
 
 
 @dataclass

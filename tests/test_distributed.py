@@ -141,37 +141,23 @@ def matrix_run(tmp_path, *args, timeout=600):
     return done, {cell["id"]: cell for cell in cells}
 
 
-def test_a_rank_dying_in_a_cell_fails_that_cell_only(tmp_path):
-    """fault-rank-segfault takes rank 1 down in its bf16-true cells; the group is rebuilt and the
-    cells after it run."""
-    done, cells = matrix_run(
-        tmp_path, "--model", "fault-rank-segfault", "--precision", "bf16-true,fp32", "--engine", "ddp"
-    )
-    assert done.returncode == 1, done.stderr[-3000:]
-    for mode in ("train", "eval"):
-        died = cells[f"fault-rank-segfault-bf16-true-{mode}-cpu-ddp"]
-        assert died["outcome"] == "failed", died
-        assert died["signature"]["exception"] == "rank died"
-        assert died["message"].startswith("RankDied: rank 1 died (killed by SIGSEGV)")
-        assert cells[f"fault-rank-segfault-fp32-{mode}-cpu-ddp"]["outcome"] == "passed"
-
-
-def test_a_rank_that_hangs_in_a_cell_times_out_and_the_next_cell_runs(tmp_path):
+def test_a_rank_dying_or_hanging_in_a_cell_fails_that_cell_only(tmp_path):
+    """fault-rank-segfault takes rank 1 down in its bf16-true cell; fault-sleep's bf16-true cell
+    sleeps in both ranks past --cell-timeout. Each fails with what happened and the group is
+    rebuilt: fault-sleep's fp32 cell runs on a new group after the rank died."""
     done, cells = matrix_run(
         tmp_path,
-        "--model",
-        "fault-sleep",
-        "--precision",
-        "bf16-true,fp32",
-        "--engine",
-        "fsdp2",
-        "--mode",
-        "eval",
-        "--cell-timeout",
-        "10",
+        *("--model", "fault-rank-segfault,fault-sleep", "--precision", "bf16-true,fp32", "--engine", "ddp"),
+        *("--mode", "eval", "--cell-timeout", "10"),
     )
     assert done.returncode == 1, done.stderr[-3000:]
-    hung = cells["fault-sleep-bf16-true-eval-cpu-fsdp2"]
+    died = cells["fault-rank-segfault-bf16-true-eval-cpu-ddp"]
+    assert died["outcome"] == "failed" and died["phase"] == "evaluate", died
+    assert died["signature"]["text"] == "evaluate: rank died: rank <n> died (killed by SIGSEGV) @ <rank process>"
+    assert died["message"].startswith("RankDied: rank 1 died (killed by SIGSEGV)")
+    assert "Segmentation fault" in died["message"] and "rank_segfault" in died["message"]  # the rank's stack
+    hung = cells["fault-sleep-bf16-true-eval-cpu-ddp"]
     assert hung["outcome"] == "failed" and hung["signature"]["exception"] == "rank timeout", hung
     assert "did not answer within 9 s; every rank was killed" in hung["message"]
-    assert cells["fault-sleep-fp32-eval-cpu-fsdp2"]["outcome"] == "passed"
+    for model in ("fault-rank-segfault", "fault-sleep"):
+        assert cells[f"{model}-fp32-eval-cpu-ddp"]["outcome"] == "passed"

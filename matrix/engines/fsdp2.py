@@ -69,12 +69,16 @@ def _full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def _gathered_copy(state: CellState, model):
+def _gathered_copy(state: CellState, model, reuse: bool = False):
     """A plain model of the kind holding the sharded model's full weights, in the dtypes the
-    shards have (assigned, not copied into the plain model's own dtypes)."""
+    shards have (assigned, not copied into the plain model's own dtypes). `reuse`: the copy
+    made last, where no step has run since (mid-training eval and the save follow training)."""
+    if reuse and state.engine_state.get("gathered") is not None:
+        return state.engine_state["gathered"]
     full = _full_state_dict(model)
     plain = state.kind.build(state.precision, state.device, state.workdir)
     plain.load_state_dict({k: v.to(state.device) for k, v in full.items()}, assign=True)
+    state.engine_state["gathered"] = plain
     return plain
 
 
@@ -98,7 +102,7 @@ def rank_train_steps(state: CellState, context) -> None:
 
 def rank_mid_training_eval(state: CellState, context) -> None:
     result = sharded_evaluate(state, context, state.model)
-    check_against_fp32(state, result, "mid-training eval", model=_gathered_copy(state, state.model))
+    check_against_fp32(state, result, "mid-training eval", model=_gathered_copy(state, state.model, reuse=True))
     state.model.train()
 
 
@@ -124,7 +128,7 @@ def rank_checkpoint_save(state: CellState, context) -> None:
     else:
         dcp.save({"model": _sharded_model_state(state.model)}, checkpoint_id=shared / "dcp")
     # the full state dict, gathered, saved by rank 0 as a plain model of the kind
-    plain = _gathered_copy(state, state.model)
+    plain = _gathered_copy(state, state.model, reuse=True)
     state.outputs_before_save = evaluate_in_precision(state, plain).logits
     directory = shared / "checkpoint"
     if context.rank == 0:
