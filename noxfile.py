@@ -166,11 +166,12 @@ def tests(session: nox.Session) -> None:
     """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells).
 
     The tests run on pytest-xdist workers, one per core: most of their time is spent in the
-    pytest and python -m matrix processes they start, which a second core overlaps. Arguments
-    after -- go to pytest (`-- -n 0` runs them in one process).
+    pytest and python -m matrix processes they start, which a second core overlaps; idle
+    workers steal queued tests (--dist worksteal), so the long ones do not end the run alone.
+    Arguments after -- go to pytest (`-- -n 0` runs them in one process).
     """
     install_stack(session, "test")
-    session.run("python", "-m", "pytest", "tests", "-n", "auto", *session.posargs)
+    session.run("python", "-m", "pytest", "tests", "-n", "auto", "--dist", "worksteal", *session.posargs)
     smoke_reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     session.run(
         "python",

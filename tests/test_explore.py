@@ -181,7 +181,7 @@ def test_variant_json_round_trips_and_names_unknown_fields():
 
 
 def test_explorations_are_collected_only_with_explore(run_pytest):
-    plain = run_pytest("--collect-only", "-q", "--no-report")
+    plain = run_pytest("--collect-only", "-q", "--no-report", "--model", "tiny-transformer")
     assert plain.returncode == 0 and "test_explore" not in plain.stdout
     asked = run_pytest(
         "--collect-only", "-q", "--no-report", "--explore", "--model", "tiny-transformer", "--device", "cpu"

@@ -52,7 +52,7 @@ def test_a_missing_gpu_index_is_named(monkeypatch):
 def test_skip_reasons_reach_the_report(run_pytest, tmp_path):
     import json
 
-    done = run_pytest("--model", "tiny-llama", "--precision", "fp32", "--mode", "eval", "--engine", "torch")
+    done = run_pytest("--model", "tiny-transformer", "--precision", "fp32", "--mode", "eval", "--engine", "torch")
     assert done.returncode == 0, done.stdout[-3000:]
     results = json.loads((tmp_path / "reports" / "latest" / "results.json").read_text())
     by_device = {c["device"]: c for c in results["cells"]}
