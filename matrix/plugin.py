@@ -110,7 +110,7 @@ def pytest_configure(config):
     config.stash[installed_key] = environment.package_versions()
     from matrix.engines import distributed
 
-    distributed.WORLD_SIZE["value"] = option(config, "matrix_world_size")
+    distributed.WORLD_SIZE = option(config, "matrix_world_size")
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = reports_root(config.getoption("matrix_report_dir"), config.invocation_params.dir)
         config.stash[recorder_key] = Recorder(config, root, config.getoption("matrix_run_id"))

@@ -161,3 +161,32 @@ def test_a_rank_dying_or_hanging_in_a_cell_fails_that_cell_only(tmp_path):
     assert "did not answer within 9 s; every rank was killed" in hung["message"]
     for model in ("fault-rank-segfault", "fault-sleep"):
         assert cells[f"{model}-fp32-eval-cpu-ddp"]["outcome"] == "passed"
+
+
+@pytest.mark.parametrize(("visible", "world", "reason"), [(1, 2, "(1 visible)"), (2, 2, None), (3, 4, "(3 visible)")])
+def test_cuda_cells_need_one_gpu_per_rank(visible, world, reason, monkeypatch):
+    """The nccl side's skip, with GPUs simulated on the CPU: a group needs --world-size GPUs."""
+    import torch
+
+    from matrix.devices import DEVICES
+    from matrix.engines import ENGINES, distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(distributed, "WORLD_SIZE", world)
+    for engine in ("ddp", "fsdp2"):
+        found = ENGINES[engine].device_skip_reason(DEVICES["cuda"])
+        if reason is None:
+            assert found is None
+        else:
+            assert found == f"Requires: [{world} cuda devices, one per rank] {reason}"
+        assert ENGINES[engine].device_skip_reason(DEVICES["cpu"]) is None
+
+
+def test_the_distributed_engines_refuse_accumulation_by_name():
+    from matrix.engines import ENGINES
+    from matrix.precisions import PRECISIONS
+
+    for engine in ("ddp", "fsdp2"):
+        assert ENGINES[engine].unsupported_reason(PRECISIONS["bf16-loaded-mixed-fp32-grads"]) == (
+            f"Requires: [micro-batch accumulation and a gradient dtype wired into the {engine} engine]"
+        )

@@ -15,12 +15,12 @@ from matrix.engines.distributed import (
     sharded_evaluate,
     sharded_step,
 )
+from matrix.engines.torch_loop import load_checkpoint, save_checkpoint
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
     check_against_fp32,
     check_agrees_with_torch_engine,
-    check_reload,
     check_training_contract,
     evaluate_in_precision,
     resume_one_step,
@@ -29,12 +29,10 @@ from matrix.phases import (
 )
 from matrix.precisions import Precision, dtype_name
 
-TRAINER_STATE_FILE = "trainer_state.pt"
 COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
 
 
 def _wrap(state: CellState, model):
-    import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
@@ -47,14 +45,12 @@ def _wrap(state: CellState, model):
         "comm_hook": hook,
         "reduce_dtype": state.metrics["engine_settings"]["reduce_dtype"],
         "bucket_view": wrapped.gradient_as_bucket_view,
-        "torch": torch.__version__,
     }
     return wrapped
 
 
 def _step(state: CellState, context):
-    wrapped, optimizer, scaler = (state.engine_state[k] for k in ("wrapped", "optimizer", "scaler"))
-    return lambda: sharded_step(state, context, wrapped, optimizer, scaler)
+    return lambda: sharded_step(state, context, state.engine_state["wrapped"], state.optimizer, state.scaler)
 
 
 def rank_train_steps(state: CellState, context) -> None:
@@ -63,8 +59,8 @@ def rank_train_steps(state: CellState, context) -> None:
     trainable = snapshot_trainable(state.model)
     dtypes = checks.tensor_dtypes(state.model)
     state.engine_state["wrapped"] = _wrap(state, state.model)
-    state.optimizer = state.engine_state["optimizer"] = state.new_optimizer(state.model)
-    state.scaler = state.engine_state["scaler"] = state.precision.make_grad_scaler(state.device_type)
+    state.optimizer = state.new_optimizer(state.model)
+    state.scaler = state.precision.make_grad_scaler(state.device_type)
     losses = train_until_applied(state, _step(state, context), TRAIN_STEPS)
     state.metrics["train_losses"] = losses
     check_agrees_with_torch_engine(state, losses[0], "train")
@@ -87,39 +83,18 @@ def rank_evaluate(state: CellState, context) -> None:
 
 
 def rank_checkpoint_save(state: CellState, context) -> None:
-    import torch
-
     state.outputs_before_save = evaluate_in_precision(state, state.model).logits
     directory = state.engine_state["shared_dir"] / "checkpoint"
     if context.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        state.kind.save(state.model, directory)
-        if state.optimizer is not None:
-            trainer_state = {"optimizer": state.optimizer.state_dict()}
-            if state.scaler is not None:
-                trainer_state["grad_scaler"] = state.scaler.state_dict()
-            torch.save(trainer_state, directory / TRAINER_STATE_FILE)
+        save_checkpoint(state, directory)  # the torch engine's format, written once
     barrier()  # every rank reads what rank 0 wrote
     state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
 
 
 def rank_checkpoint_reload(state: CellState, context) -> None:
-    import torch
-
-    directory = state.engine_state["shared_dir"] / "checkpoint"
-    reloaded = state.kind.load(directory, state.precision, state.device, state.workdir)
-    check_reload(state, reloaded)
+    state.model = load_checkpoint(state, state.engine_state["shared_dir"] / "checkpoint")
     if state.optimizer is not None:
-        trainer_state = torch.load(directory / TRAINER_STATE_FILE, weights_only=True, map_location=state.device)
-        optimizer = state.new_optimizer(reloaded)
-        optimizer.load_state_dict(trainer_state["optimizer"])
-        scaler = state.precision.make_grad_scaler(state.device_type)
-        if scaler is not None:
-            scaler.load_state_dict(trainer_state["grad_scaler"])
-        state.optimizer = state.engine_state["optimizer"] = optimizer
-        state.scaler = state.engine_state["scaler"] = scaler
-        state.engine_state["wrapped"] = _wrap(state, reloaded)
-    state.model = reloaded
+        state.engine_state["wrapped"] = _wrap(state, state.model)
 
 
 def rank_resumed_step(state: CellState, context) -> None:
@@ -139,8 +114,6 @@ class DDPEngine(DistributedEngine):
     rank_evaluate = staticmethod(rank_evaluate)
 
     def derive_settings(self, precision: Precision) -> dict | Unsupported:
-        if precision.grad_dtype is not None or precision.grad_accumulation > 1:
-            return Unsupported("Requires: [micro-batch accumulation and a gradient dtype wired into the ddp engine]")
         reduce = precision.reduce_dtype or precision.weights_dtype  # DDP reduces the gradients' own dtype
         settings: dict = {"reduce_dtype": dtype_name(reduce)}
         if precision.autocast_dtype is not None:

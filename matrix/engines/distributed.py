@@ -18,16 +18,16 @@ from __future__ import annotations
 import abc
 import time
 
-from matrix.engines.base import Engine
+from matrix.engines.base import Engine, Unsupported
 from matrix.phases import PHASE_NAMES, CellState
 from matrix.precisions import Precision
 
-WORLD_SIZE = {"value": 2}  # --world-size; the plugin sets it
+WORLD_SIZE = 2  # --world-size; the plugin sets it
 RANK_STATE_KEY = "cell"
 
 
 def world_size() -> int:
-    return WORLD_SIZE["value"]
+    return WORLD_SIZE
 
 
 class DistributedEngine(Engine):
@@ -46,8 +46,15 @@ class DistributedEngine(Engine):
                 return f"Requires: [{world_size()} {device.name} devices, one per rank] ({visible} visible)"
         return None
 
+    def derive_or_refuse(self, precision: Precision) -> dict | Unsupported:
+        if precision.grad_dtype is not None or precision.grad_accumulation > 1:
+            return Unsupported(
+                f"Requires: [micro-batch accumulation and a gradient dtype wired into the {self.name} engine]"
+            )
+        return super().derive_or_refuse(precision)
+
     def kind_skip_reason(self, kind) -> str | None:
-        dropout = getattr(kind.variant, "dropout", 0.0) or 0.0
+        dropout = kind.variant.dropout
         if dropout > 0:
             return (
                 "Requires: [a model without dropout: a batch split across ranks draws other dropout masks than the "

@@ -14,7 +14,7 @@ saved by rank 0 in the kind's own format (save_pretrained), which a plain model 
 from __future__ import annotations
 
 from matrix import checks
-from matrix.engines.base import Unsupported, register
+from matrix.engines.base import register
 from matrix.engines.distributed import DistributedEngine, barrier, sharded_evaluate, sharded_step
 from matrix.phases import (
     TRAIN_STEPS,
@@ -201,9 +201,7 @@ class FSDP2Engine(DistributedEngine):
     rank_resumed_step = staticmethod(rank_resumed_step)
     rank_evaluate = staticmethod(rank_evaluate)
 
-    def derive_settings(self, precision: Precision) -> dict | Unsupported:
-        if precision.grad_dtype is not None or precision.grad_accumulation > 1:
-            return Unsupported("Requires: [micro-batch accumulation and a gradient dtype wired into the fsdp2 engine]")
+    def derive_settings(self, precision: Precision) -> dict:
         weights, compute = precision.weights_dtype, precision.autocast_dtype
         param = compute if compute is not None and compute != weights else None
         reduce = precision.reduce_dtype or (weights if param is not None else None)

@@ -82,9 +82,8 @@ def evaluate(state: CellState) -> None:
     check_against_fp32(state, result, "eval")
 
 
-def checkpoint_save(state: CellState) -> None:
-    state.outputs_before_save = evaluate_in_precision(state, state.model).logits
-    directory = state.workdir / "checkpoint"
+def save_checkpoint(state: CellState, directory) -> None:
+    """The model in its kind's own format, and the optimizer's and grad scaler's state beside it."""
     directory.mkdir(parents=True, exist_ok=True)
     state.kind.save(state.model, directory)
     if state.optimizer is not None:
@@ -92,11 +91,11 @@ def checkpoint_save(state: CellState) -> None:
         if state.scaler is not None:
             trainer_state["grad_scaler"] = state.scaler.state_dict()
         torch.save(trainer_state, directory / TRAINER_STATE_FILE)
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
 
 
-def checkpoint_reload(state: CellState) -> None:
-    directory = state.workdir / "checkpoint"
+def load_checkpoint(state: CellState, directory):
+    """A fresh model from save_checkpoint()'s directory, checked against the saved one
+    (check_reload); the optimizer and grad scaler restored onto it. Returns the model."""
     reloaded = state.kind.load(directory, state.precision, state.device, state.workdir)
     check_reload(state, reloaded)
     if state.optimizer is not None:
@@ -108,7 +107,18 @@ def checkpoint_reload(state: CellState) -> None:
         if scaler is not None:
             scaler.load_state_dict(trainer_state["grad_scaler"])
         state.optimizer, state.scaler = optimizer, scaler
-    state.model = reloaded
+    return reloaded
+
+
+def checkpoint_save(state: CellState) -> None:
+    state.outputs_before_save = evaluate_in_precision(state, state.model).logits
+    directory = state.workdir / "checkpoint"
+    save_checkpoint(state, directory)
+    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+
+
+def checkpoint_reload(state: CellState) -> None:
+    state.model = load_checkpoint(state, state.workdir / "checkpoint")
 
 
 def resumed_step(state: CellState) -> None:
