@@ -14,6 +14,8 @@ or the one that fixed it. Every version tried is recorded as evidence in bisect.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -103,6 +105,22 @@ class ScratchEnvironment:
     def pip(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.python), "-m", "pip", *args], capture_output=True, text=True)
 
+    @contextlib.contextmanager
+    def held(self, log=print):
+        """The environment for one bisection at a time: two bisections of the same stack would
+        install their candidates into one venv under each other's cells. A second one waits."""
+        SCRATCH.mkdir(parents=True, exist_ok=True)
+        with open(SCRATCH / f"{self.stack.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log(f"waiting: another bisection is using the scratch environment {self.path}")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield self
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def ensure(self) -> None:
         stamp = self.path / ".bisect-stack"
         key = json.dumps([self.torch_requirement, *self.stack.pins, (ROOT / "pyproject.toml").read_text()])
@@ -169,6 +187,11 @@ def bisect(
         raise BisectError(f"--cell: no cell {cell!r} (ids look like gemma-cache-bf16-mixed-eval-cpu-torch)")
     env = ScratchEnvironment(stacks[stack_name], os.environ.get("MATRIX_TORCH", DEFAULT_TORCH))
     log(f"scratch environment for stack {stack_name}: {env.path}")
+    with env.held(log):
+        return _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log)
+
+
+def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log) -> dict:
     env.ensure()
     versions = versions_between(env.released_versions(package), good, bad)
     log(f"{len(versions)} releases of {package} from {versions[0]} to {versions[-1]}")

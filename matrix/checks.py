@@ -184,6 +184,38 @@ def check_outputs_equal(what: str, expected: torch.Tensor, actual: torch.Tensor,
     return worst
 
 
+def optimizer_state(optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as named tensors ("group 0, parameter 3: exp_avg"),
+    in this process's own shards where parameters are sharded (a DTensor's local part)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps one
+    found = {}
+    for g, group in enumerate(inner.param_groups):
+        for i, parameter in enumerate(group["params"]):
+            for key, value in inner.state.get(parameter, {}).items():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    found[f"group {g}, parameter {i}: {key}"] = local.detach().clone()
+    return found
+
+
+def check_optimizer_state_restored(saved: dict[str, torch.Tensor], optimizer) -> None:
+    """Every tensor of the optimizer's state before the save is back after the reload, bit for
+    bit: a resumed run whose Adam moments are lost (or stale) trains differently, silently."""
+    restored = optimizer_state(optimizer)
+    missing = [name for name in saved if name not in restored]
+    if missing:
+        raise CheckpointMismatch(
+            "optimizer state missing after reload",
+            details=f"{len(missing)} of {len(saved)} tensors, first {missing[0]}",
+        )
+    different = [name for name, value in saved.items() if not torch.equal(value, restored[name].to(value.device))]
+    if different:
+        raise CheckpointMismatch(
+            "optimizer state differs after reload",
+            details=f"{len(different)} of {len(saved)} tensors, first {different[0]}",
+        )
+
+
 def check_engine_agreement(what: str, value: float, torch_engine_value: float, tolerance: Tolerance) -> None:
     if not math.isfinite(value) or not tolerance.allows(value, torch_engine_value):
         raise EngineDisagreement(

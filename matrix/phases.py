@@ -365,16 +365,22 @@ def snapshot_trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def check_training_contract(state: CellState, model, trainable_before, dtypes_before) -> None:
+def check_training_contract(state: CellState, model, trainable_before, dtypes_before, weights_check=None) -> None:
     """After training: still on the cell's device; parameters changed, stayed finite, kept
     their dtypes and the precision's; the loss fell (matrix/tolerances.py
-    TRAINING_LOSS_DECREASE) between the same seeded measurement before and after training."""
+    TRAINING_LOSS_DECREASE) between the same seeded measurement before and after training.
+
+    `weights_check(model, when)`: for an engine whose library declares other weight dtypes than
+    the precision's (accelerate's FSDP2 keeps fp32 master weights), that declaration's check."""
     checks.check_placement(model, state.device, "after training")
     checks.check_trained_in_train_mode(state.metrics["effective"].get("model_training_in_first_forward"))
     checks.check_finite_parameters(list(model.named_parameters()), "after training")
     checks.check_parameters_changed(trainable_before, model)
     checks.check_same_dtypes(dtypes_before, model, "after training")
-    checks.check_dtypes(state.kind.precision_weights(model), state.precision.weights_dtype, "after training")
+    if weights_check is None:
+        checks.check_dtypes(state.kind.precision_weights(model), state.precision.weights_dtype, "after training")
+    else:
+        weights_check(model, "after training")
     # the fall is measured by the harness, the same way before and after training: the library's
     # own losses are taken before each of its steps, so the last applied step never shows in
     # them, and a grad scaler that skipped the first steps leaves none to see (Trainer, Lightning)
@@ -390,13 +396,14 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     checks.check_loss_decreased(before, after, bound)
 
 
-def check_reload(state: CellState, reloaded, evaluate=None) -> None:
+def check_reload(state: CellState, reloaded, evaluate=None, saved=None) -> None:
     """A fresh model from the checkpoint reproduces the dtypes and the outputs, bit for bit.
 
     `evaluate` must be the way state.outputs_before_save was computed (default: the
-    precision's own autocast).
+    precision's own autocast); `saved`: the model whose dtypes the checkpoint must give back
+    (default: the cell's model).
     """
-    checks.check_same_dtypes(checks.tensor_dtypes(state.model), reloaded, "after reload")
+    checks.check_same_dtypes(checks.tensor_dtypes(saved or state.model), reloaded, "after reload")
     outputs = (evaluate or evaluate_in_precision)(state, reloaded).logits
     state.metrics["reload_max_abs_difference"] = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from matrix import bisect
 from matrix.bisect import BisectError, first_change, parse_index_listing, versions_between
 
 LISTING = (
@@ -87,7 +88,37 @@ def test_bad_input_is_one_line_and_exit_status_2():
         text=True,
     )
     assert done.returncode == 2
-    known = "default, seed-001-gemma3-hybridcache, liger, seed-002-liger-flce"
+    from matrix import stacks
+
+    known = ", ".join(stacks.load())
+    assert known.startswith("default, seed-001-gemma3-hybridcache, liger, seed-002-liger-flce")
     assert done.stderr.strip().splitlines() == [
         f"python -m matrix bisect: --stack: unknown stack 'no-such-stack'; known: {known}"
     ]
+
+
+def test_two_bisections_of_one_stack_take_its_scratch_environment_in_turn(tmp_path, monkeypatch):
+    """Concurrent bisections of the same stack would install candidates into one venv under each
+    other's cells: the second waits, saying why, until the first is done."""
+    import threading
+
+    from matrix import stacks
+
+    monkeypatch.setattr(bisect, "SCRATCH", tmp_path)
+    stack = stacks.Stack("some-stack", "a stack", ("accelerate==1.13.0",), (), ())
+    first, second = bisect.ScratchEnvironment(stack, "torch"), bisect.ScratchEnvironment(stack, "torch")
+    said, order = [], []
+
+    def later():
+        with second.held(said.append):
+            order.append("second")
+
+    with first.held(said.append):
+        waiting = threading.Thread(target=later)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and order == []  # blocked while the first holds it
+        order.append("first")
+    waiting.join(timeout=10.0)
+    assert order == ["first", "second"]
+    assert said == [f"waiting: another bisection is using the scratch environment {tmp_path / 'some-stack'}"]

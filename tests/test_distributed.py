@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,7 +85,7 @@ def test_a_call_past_its_timeout_kills_every_rank(group):
     assert group.call("rank_calls:rank_and_sum", timeout_s=120)[0]["rank"] == 0
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "accelerate-fsdp2"])
 def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine, tmp_path):
     """The loss of the first step is the whole batch's mean, from two ranks' halves."""
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", engine), tmp_path, timeout_s=120)
@@ -186,7 +187,106 @@ def test_the_distributed_engines_refuse_accumulation_by_name():
     from matrix.engines import ENGINES
     from matrix.precisions import PRECISIONS
 
-    for engine in ("ddp", "fsdp2"):
+    for engine in ("ddp", "fsdp2", "accelerate-fsdp2"):
         assert ENGINES[engine].unsupported_reason(PRECISIONS["bf16-loaded-mixed-fp32-grads"]) == (
             f"Requires: [micro-batch accumulation and a gradient dtype wired into the {engine} engine]"
         )
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [
+        ("fp32", {"mixed_precision": "no", "mixed_precision_policy": None}),
+        (
+            "bf16-mixed",
+            {
+                "mixed_precision": "bf16",
+                "mixed_precision_policy": {
+                    "param_dtype": "bfloat16",
+                    "reduce_dtype": "float32",
+                    "output_dtype": "bfloat16",
+                },
+            },
+        ),
+        (
+            "fp16-mixed-fp16-reduce",
+            {
+                "mixed_precision": "fp16",
+                "mixed_precision_policy": {
+                    "param_dtype": "float16",
+                    "reduce_dtype": "float16",
+                    "output_dtype": "float16",
+                },
+            },
+        ),
+        ("bf16-true", {"mixed_precision": "no", "mixed_precision_policy": None}),
+    ],
+)
+def test_accelerate_fsdp2_states_each_precision_as_an_accelerate_switch_and_fsdp_policy(precision, expected):
+    from matrix.engines import ENGINES
+    from matrix.precisions import PRECISIONS
+
+    assert ENGINES["accelerate-fsdp2"].settings(PRECISIONS[precision]) == expected
+
+
+def test_accelerate_fsdp2_keeps_fp32_master_weights_of_half_loaded_weights_and_says_who_chose_fsdp(tmp_path):
+    """bf16 weights loaded, bf16 mixed precision: accelerate's FSDP2 path trains fp32 master
+    copies (what accelerate declares), and on a CPU group the engine, not accelerate, chose FSDP."""
+    result = run_cell(
+        Cell("tiny-llama", "bf16-loaded-mixed", "train", "cpu", "accelerate-fsdp2"), tmp_path, timeout_s=120
+    )
+    assert result.outcome == "passed", result.traceback
+    assert result.metrics["declared"]["weights_dtype"] == "bfloat16"
+    effective = result.metrics["engine_effective"]
+    assert effective["trained_parameter_dtypes_after_prepare"] == ["float32"]
+    assert set(result.metrics["effective"]["trainable_parameter_dtypes"]) == {"bfloat16"}  # FSDP's param_dtype
+    assert effective["fsdp_selected_by"].startswith("the matrix (accelerate leaves a cpu group")
+    assert effective["mp_policy"]["param_dtype"] == "bfloat16"
+    assert result.metrics["dcp_reload_max_abs_difference"] == 0.0
+
+
+def test_a_no_op_upcast_breaks_accelerates_declared_master_weights():
+    """What accelerate 1.13.0 did (huggingface/accelerate#3979): trained parameters left in bf16
+    under mixed precision. The engine's declared-dtype check names it; fp32 ones pass."""
+    import torch
+
+    from matrix.checks import DtypeContractBroken
+    from matrix.engines.accelerate_fsdp2 import check_declared_dtypes
+
+    state = SimpleNamespace(metrics={"engine_settings": {"mixed_precision": "bf16"}})
+
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    broken = r"trained parameters .*: weights are torch.bfloat16, not torch.float32"
+    with pytest.raises(DtypeContractBroken, match=broken):
+        check_declared_dtypes(state, model, {}, "after prepare")
+    model.float()
+    check_declared_dtypes(state, model, {}, "after prepare")
+    model.weight.requires_grad_(False)
+    model.weight.data = model.weight.data.to(torch.bfloat16)  # a frozen base weight keeps its dtype
+    check_declared_dtypes(state, model, {}, "after prepare")
+
+
+def test_an_optimizer_state_lost_or_changed_across_a_reload_is_named():
+    """What accelerate 1.12.0's FSDP2 load_state did (huggingface/accelerate#3971): a fresh AdamW
+    came back without its moments. Missing and differing state both fail; an exact copy passes."""
+    import copy
+
+    import torch
+
+    from matrix import checks
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    saved = checks.optimizer_state(optimizer)
+    assert {name.split(": ")[1] for name in saved} == {"step", "exp_avg", "exp_avg_sq"}
+    restored = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(checks.CheckpointMismatch, match="optimizer state missing after reload") as missing:
+        checks.check_optimizer_state_restored(saved, restored)
+    assert missing.value.details.startswith("6 of 6 tensors")
+    restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    checks.check_optimizer_state_restored(saved, restored)
+    next(iter(restored.state.values()))["exp_avg"].add_(1.0)
+    with pytest.raises(checks.CheckpointMismatch, match="optimizer state differs after reload"):
+        checks.check_optimizer_state_restored(saved, restored)

@@ -43,7 +43,7 @@ def test_every_precision_the_issue_names_exists():
     } <= set(AXES["precision"])
     assert set(AXES["model"]) >= {"tiny-transformer", "tiny-llama", "lora", "gemma-cache"}
     assert AXES["mode"] == ("train", "eval") and AXES["device"] == ("cpu", "cuda")
-    assert AXES["engine"] == ("torch", "accelerate", "hf-trainer", "lightning", "ddp", "fsdp2")
+    assert AXES["engine"] == ("torch", "accelerate", "hf-trainer", "lightning", "ddp", "fsdp2", "accelerate-fsdp2")
 
 
 def test_cell_ids_read_like_the_cell_and_are_unique():

@@ -105,6 +105,10 @@ class DistributedEngine(Engine):
         if state.engine_state.get("begun") and group.alive:
             group.call("matrix.engines.distributed:rank_end_cell", timeout_s=60.0)
 
+    def rank_cleanup(self, state: CellState) -> None:
+        """Rank side: reset the library's process-wide state after a cell (in each rank)."""
+        return None
+
     @abc.abstractmethod
     def derive_settings(self, precision: Precision) -> dict: ...
 
@@ -166,8 +170,11 @@ def rank_phase(context, engine: str, phase: str) -> dict:
 
 
 def rank_end_cell(context) -> None:
+    from matrix.engines import ENGINES
+
     state = context.values.pop(RANK_STATE_KEY, None)
     if state is not None:
+        ENGINES[state.cell.engine].rank_cleanup(state)
         for hook in ("first_forward_watch", "first_training_forward_seed"):
             watch = state.engine_state.pop(hook, None)
             if watch is not None:
@@ -239,9 +246,12 @@ def sharded_step(state: CellState, context, model, optimizer, scaler) -> tuple[f
     return global_mean(value, state.kind.loss_items(shard)), applied
 
 
-def sharded_evaluate(state: CellState, context, model):
+def sharded_evaluate(state: CellState, context, model, autocast: bool = True):
     """Evaluation as the precision defines it, each rank on its rows, gathered: the whole batch's
-    mean loss, and the logits (and generated tokens) of every row in order."""
+    mean loss, and the logits (and generated tokens) of every row in order. `autocast=False`:
+    the model's forward brings its own (a model accelerate prepared)."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
@@ -249,7 +259,8 @@ def sharded_evaluate(state: CellState, context, model):
 
     shard = shard_rows(state.batch, context.rank, context.world_size)
     model.eval()
-    with state.eval_grad_context(), state.precision.autocast(state.device_type):
+    around = state.precision.autocast(state.device_type) if autocast else contextlib.nullcontext()
+    with state.eval_grad_context(), around:
         result = state.kind.evaluate(model, shard)
     mine = {
         "loss": result.loss.detach().float().item(),
@@ -269,6 +280,26 @@ def sharded_evaluate(state: CellState, context, model):
         generated=generated,
         extras=mine["extras"],
     )
+
+
+def full_state_dict(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def gathered_copy(state: CellState, model, reuse: bool = False):
+    """For an engine whose parameters are sharded (FSDP2): a plain model of the kind holding
+    the sharded model's full weights, in the dtypes the shards have (assigned, not copied into
+    the plain model's own dtypes). `reuse`: the copy made last, where no step has run since
+    (mid-training eval and the save follow training)."""
+    if reuse and state.engine_state.get("gathered") is not None:
+        return state.engine_state["gathered"]
+    full = full_state_dict(model)
+    plain = state.kind.build(state.precision, state.device, state.workdir)
+    plain.load_state_dict({k: v.to(state.device) for k, v in full.items()}, assign=True)
+    state.engine_state["gathered"] = plain
+    return plain
 
 
 def barrier() -> None:

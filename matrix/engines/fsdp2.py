@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from matrix import checks
 from matrix.engines.base import register
-from matrix.engines.distributed import DistributedEngine, barrier, sharded_evaluate, sharded_step
+from matrix.engines.distributed import DistributedEngine, barrier, gathered_copy, sharded_evaluate, sharded_step
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -63,25 +63,6 @@ def _shard(state: CellState, model):
     return model
 
 
-def _full_state_dict(model) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
-def _gathered_copy(state: CellState, model, reuse: bool = False):
-    """A plain model of the kind holding the sharded model's full weights, in the dtypes the
-    shards have (assigned, not copied into the plain model's own dtypes). `reuse`: the copy
-    made last, where no step has run since (mid-training eval and the save follow training)."""
-    if reuse and state.engine_state.get("gathered") is not None:
-        return state.engine_state["gathered"]
-    full = _full_state_dict(model)
-    plain = state.kind.build(state.precision, state.device, state.workdir)
-    plain.load_state_dict({k: v.to(state.device) for k, v in full.items()}, assign=True)
-    state.engine_state["gathered"] = plain
-    return plain
-
-
 def _step(state: CellState, context):
     return lambda: sharded_step(state, context, state.model, state.optimizer, state.scaler)
 
@@ -97,12 +78,12 @@ def rank_train_steps(state: CellState, context) -> None:
     losses = train_until_applied(state, _step(state, context), TRAIN_STEPS)
     state.metrics["train_losses"] = losses
     check_agrees_with_torch_engine(state, losses[0], "train")
-    check_training_contract(state, _gathered_copy(state, state.model), trainable, dtypes)
+    check_training_contract(state, gathered_copy(state, state.model), trainable, dtypes)
 
 
 def rank_mid_training_eval(state: CellState, context) -> None:
     result = sharded_evaluate(state, context, state.model)
-    check_against_fp32(state, result, "mid-training eval", model=_gathered_copy(state, state.model, reuse=True))
+    check_against_fp32(state, result, "mid-training eval", model=gathered_copy(state, state.model, reuse=True))
     state.model.train()
 
 
@@ -110,7 +91,7 @@ def rank_evaluate(state: CellState, context) -> None:
     state.build()
     _shard(state, state.model)
     result = sharded_evaluate(state, context, state.model)
-    check_against_fp32(state, result, "eval", model=_gathered_copy(state, state.model))
+    check_against_fp32(state, result, "eval", model=gathered_copy(state, state.model))
     check_agrees_with_torch_engine(state, result.loss.item(), "eval")
 
 
@@ -123,12 +104,13 @@ def rank_checkpoint_save(state: CellState, context) -> None:
     # the sharded checkpoint (DCP), and what the sharded model computes before it is written
     state.engine_state["sharded_outputs_before_save"] = sharded_evaluate(state, context, state.model).logits
     if state.optimizer is not None:
+        state.engine_state["optimizer_state_before_save"] = checks.optimizer_state(state.optimizer)
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shared / "dcp")
     else:
         dcp.save({"model": _sharded_model_state(state.model)}, checkpoint_id=shared / "dcp")
     # the full state dict, gathered, saved by rank 0 as a plain model of the kind
-    plain = _gathered_copy(state, state.model, reuse=True)
+    plain = gathered_copy(state, state.model, reuse=True)
     state.outputs_before_save = evaluate_in_precision(state, plain).logits
     directory = shared / "checkpoint"
     if context.rank == 0:
@@ -166,6 +148,7 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
         scaler = state.precision.make_grad_scaler(state.device_type)
         if scaler is not None:
             scaler.load_state_dict(torch.load(shared / SCALER_FILE, weights_only=True))
+        checks.check_optimizer_state_restored(state.engine_state["optimizer_state_before_save"], optimizer)
         state.optimizer, state.scaler = optimizer, scaler
     else:
         model_state = _sharded_model_state(resumed)
@@ -184,9 +167,9 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
 def rank_resumed_step(state: CellState, context) -> None:
     """One more applied step from the DCP checkpoint; it must move the (gathered) weights."""
     state.model.train()
-    before = snapshot_trainable(_gathered_copy(state, state.model))
+    before = snapshot_trainable(gathered_copy(state, state.model))
     state.metrics["resumed_losses"] = train_until_applied(state, _step(state, context), 1)
-    checks.check_parameters_changed(before, _gathered_copy(state, state.model))
+    checks.check_parameters_changed(before, gathered_copy(state, state.model))
 
 
 class FSDP2Engine(DistributedEngine):
