@@ -85,7 +85,7 @@ def test_a_call_past_its_timeout_kills_every_rank(group):
     assert group.call("rank_calls:rank_and_sum", timeout_s=120)[0]["rank"] == 0
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "accelerate-fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine, tmp_path):
     """The loss of the first step is the whole batch's mean, from two ranks' halves."""
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", engine), tmp_path, timeout_s=120)
@@ -231,7 +231,8 @@ def test_accelerate_fsdp2_states_each_precision_as_an_accelerate_switch_and_fsdp
 
 def test_accelerate_fsdp2_keeps_fp32_master_weights_of_half_loaded_weights_and_says_who_chose_fsdp(tmp_path):
     """bf16 weights loaded, bf16 mixed precision: accelerate's FSDP2 path trains fp32 master
-    copies (what accelerate declares), and on a CPU group the engine, not accelerate, chose FSDP."""
+    copies (what accelerate declares), and on a CPU group the engine, not accelerate, chose FSDP.
+    The two ranks' halves of the batch give the torch engine's first-step loss."""
     result = run_cell(
         Cell("tiny-llama", "bf16-loaded-mixed", "train", "cpu", "accelerate-fsdp2"), tmp_path, timeout_s=120
     )
@@ -243,6 +244,11 @@ def test_accelerate_fsdp2_keeps_fp32_master_weights_of_half_loaded_weights_and_s
     assert effective["fsdp_selected_by"].startswith("the matrix (accelerate leaves a cpu group")
     assert effective["mp_policy"]["param_dtype"] == "bfloat16"
     assert result.metrics["dcp_reload_max_abs_difference"] == 0.0
+    ranks, cross = result.metrics["distributed"]["rank_first_step_losses"], result.metrics["cross_engine"]
+    assert len(ranks) == 2 and ranks[0] != ranks[1]  # each rank saw other rows
+    assert cross["spread_abs"] <= cross["tolerance"]["atol"] + cross["tolerance"]["rtol"] * abs(
+        cross["torch_engine_first_step_loss"]
+    )
 
 
 def test_a_no_op_upcast_breaks_accelerates_declared_master_weights():
