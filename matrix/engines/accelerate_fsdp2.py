@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 
 from matrix import checks
+from matrix.engines.accelerate_loop import reset_accelerate
 from matrix.engines.base import Unsupported, one_switch_unsupported, register
 from matrix.engines.distributed import (
     DistributedEngine,
@@ -32,6 +33,7 @@ from matrix.engines.distributed import (
     gathered_copy,
     global_mean,
     loss_weight,
+    resume_one_sharded_step,
     shard_rows,
     sharded_evaluate,
 )
@@ -230,7 +232,7 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
     reloaded = state.kind.load(shared / "checkpoint", state.precision, state.device, state.workdir)
     check_reload(state, reloaded, saved=state.engine_state["saved_in_precision"])
     # the resume path: a new Accelerator, a fresh model and optimizer, load_state
-    _reset_accelerate(state)
+    reset_accelerate(state)
     resumed, optimizer = _prepare(state, context, fresh_model(state))
     state.engine_state["accelerator"].load_state(str(shared / STATE_DIR))
     outputs = _evaluate(state, context, resumed).logits
@@ -245,20 +247,7 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
 
 
 def rank_resumed_step(state: CellState, context) -> None:
-    """One more applied step after load_state; it must move the (gathered) weights."""
-    state.model.train()
-    before = snapshot_trainable(gathered_copy(state, state.model))
-    step = lambda: _step(state, context, state.model, state.optimizer)  # noqa: E731
-    state.metrics["resumed_losses"] = train_until_applied(state, step, 1)
-    checks.check_parameters_changed(before, gathered_copy(state, state.model))
-
-
-def _reset_accelerate(state: CellState) -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    state.engine_state.pop("accelerator", None)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    resume_one_sharded_step(state, lambda: _step(state, context, state.model, state.optimizer))
 
 
 class AccelerateFSDP2Engine(DistributedEngine):
@@ -289,7 +278,7 @@ class AccelerateFSDP2Engine(DistributedEngine):
 
     def rank_cleanup(self, state: CellState) -> None:
         if "accelerator" in state.engine_state:
-            _reset_accelerate(state)
+            reset_accelerate(state)
         for key, value in state.engine_state.get("environ", {}).items():
             if value is None:
                 os.environ.pop(key, None)

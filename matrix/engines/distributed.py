@@ -302,6 +302,18 @@ def gathered_copy(state: CellState, model, reuse: bool = False):
     return plain
 
 
+def resume_one_sharded_step(state: CellState, step) -> None:
+    """One more applied step from the reloaded sharded checkpoint; it must move the (gathered)
+    weights."""
+    from matrix import checks
+    from matrix.phases import snapshot_trainable, train_until_applied
+
+    state.model.train()
+    before = snapshot_trainable(gathered_copy(state, state.model))
+    state.metrics["resumed_losses"] = train_until_applied(state, step, 1)
+    checks.check_parameters_changed(before, gathered_copy(state, state.model))
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

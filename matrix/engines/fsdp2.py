@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from matrix import checks
 from matrix.engines.base import register
-from matrix.engines.distributed import DistributedEngine, barrier, gathered_copy, sharded_evaluate, sharded_step
+from matrix.engines.distributed import (
+    DistributedEngine,
+    barrier,
+    gathered_copy,
+    resume_one_sharded_step,
+    sharded_evaluate,
+    sharded_step,
+)
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -165,11 +172,7 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
 
 
 def rank_resumed_step(state: CellState, context) -> None:
-    """One more applied step from the DCP checkpoint; it must move the (gathered) weights."""
-    state.model.train()
-    before = snapshot_trainable(gathered_copy(state, state.model))
-    state.metrics["resumed_losses"] = train_until_applied(state, _step(state, context), 1)
-    checks.check_parameters_changed(before, gathered_copy(state, state.model))
+    resume_one_sharded_step(state, _step(state, context))
 
 
 class FSDP2Engine(DistributedEngine):
