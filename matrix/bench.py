@@ -9,9 +9,10 @@ repeat an option, win):
 
 - matrix wall: the selection run as users run it (`--runner`, default `python -m matrix run`;
   `--runner pytest` means `python -m pytest cases`), `--repeat` times: each wall, median, min;
-- floor: importing the stack once (a fresh `python -c "import ..."`, timed from outside, median)
-  plus the cells' own compute (the sum of their `duration_s` in results.json, median over runs):
-  what the matrix would take if running it cost nothing else;
+- floor: importing what the runs imported, once (a fresh `python -c "import ..."` of the stack's
+  modules the timed runs had loaded by their end, as matrix/bench_probe.py reports them; timed
+  from outside, median) plus the cells' own compute (the sum of their `duration_s` in
+  results.json, median over runs): what the matrix would take if running it cost nothing else;
 - overhead ratio: matrix wall (median) / floor;
 - process-per-cell: the same cells, each in a fresh `python -m pytest <node id>` as a naive
   runner would, one after another (`--per-cell-sample K`: K cells spread over the selection,
@@ -47,17 +48,23 @@ DEFAULT_RUNNER = "python -m matrix run"
 PYTEST_RUNNER = "python -m pytest cases"  # --runner pytest
 DEFAULT_SELECTION = ("--engine", "torch", "--device", "cpu")
 DEFAULT_REPEAT = 3
-# What a cell run imports before its first cell (the pytest plugin, matrix/plugin.py).
+# The modules whose import is the cost of a run's stack, in import order: the floor imports those
+# of them a timed run had loaded (transformers' package alone is lazy; its models need
+# modeling_utils, seconds more).
 STACK_MODULES = (
     "torch",
     "transformers",
+    "transformers.modeling_utils",
     "peft",
     "accelerate",
     "lightning",
+    "matrix.plugin",
     "matrix.phases",
     "matrix.engines",
     "matrix.models",
 )
+PROBE_PLUGIN = "matrix.bench_probe"  # loaded into the timed runs: it writes what they imported
+PROBE_VARIABLE = "MATRIX_BENCH_IMPORTS"  # the directory it writes into, one file per process
 RUN_OK = (0, 1)  # pytest: all passed, or some cells failed; anything else is a broken run
 PHASES = {"matrix": "matrix runs", "import": "imports", "per_cell": "per-cell runs"}
 BUSY_SHARE_WARNING = 0.2  # other processes' average use of the CPU, in cores, worth a warning
@@ -88,8 +95,8 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def timed(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
-    env = {**os.environ}
+def timed(command: list[str], env_extra: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    env = {**os.environ, **(env_extra or {})}
     env.setdefault("HF_HUB_OFFLINE", "1")  # as the pytest plugin sets it before importing the stack
     start = time.perf_counter()
     try:
@@ -120,9 +127,18 @@ def runner_command(runner: str) -> list[str]:
     return words
 
 
-def measure_import(repeat: int) -> list[float]:
-    """Walls of a fresh process importing what a cell run needs, timed from outside."""
-    command = [sys.executable, "-c", "import " + ", ".join(STACK_MODULES)]
+def imported_modules(runs: list[dict]) -> list[str]:
+    """The stack's modules any timed run imported, in STACK_MODULES order; all of them when no
+    run said (a --runner that does not load pytest's -p plugins)."""
+    said = [run["imports"] for run in runs if run.get("imports") is not None]
+    if not said:
+        return list(STACK_MODULES)
+    return [name for name in STACK_MODULES if any(name in imports for imports in said)]
+
+
+def measure_import(repeat: int, modules: list[str]) -> list[float]:
+    """Walls of a fresh process importing `modules`, timed from outside."""
+    command = [sys.executable, "-c", "import " + ", ".join(modules)]
     walls = []
     for n in range(1, repeat + 1):
         wall, done = timed(command)
@@ -139,7 +155,9 @@ def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_di
     for n in range(1, repeat + 1):
         run_id = f"bench-{n}"
         command = [*runner, *pytest_args, "--report-dir", str(report_dir), "--run-id", run_id, "-p", "no:cacheprovider"]
-        wall, done = timed(command)
+        probe = report_dir / f"{run_id}-imports"
+        probe.mkdir()
+        wall, done = timed([*command, "-p", PROBE_PLUGIN], {PROBE_VARIABLE: str(probe)})
         if done.returncode not in RUN_OK:
             raise BenchError(f"matrix run {n} exited with status {done.returncode}: {last_line(done)}")
         results_file = report_dir / run_id / "results.json"
@@ -153,12 +171,22 @@ def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_di
                 "cells": [cell["id"] for cell in cells],
                 "counts": results["counts"],
                 "whole_torch_cpu_matrix": is_whole_torch_cpu_matrix(cells, results["run"]["axes"]),
+                "imports": probe_report(probe),
             }
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise BenchError(f"matrix run {n} wrote no readable {results_file}: {error}") from None
         progress(f"matrix run {n}/{repeat}: {wall:.1f} s, {len(cells)} cells, compute {run['compute_s']:.1f} s")
         runs.append(run)
     return runs
+
+
+def probe_report(directory: Path) -> list[str] | None:
+    """What the run's processes (the controller, xdist workers, resumed processes) imported,
+    together; None if none of them wrote (the probe was not loaded)."""
+    files = sorted(directory.glob("*.json"))
+    if not files:
+        return None
+    return sorted({name for path in files for name in json.loads(path.read_text())})
 
 
 def is_whole_torch_cpu_matrix(cells: list[dict], axes: dict) -> bool:
@@ -250,7 +278,14 @@ def figures(import_walls: list[float], runs: list[dict], per_cell: dict, meta: d
             "compute_s": [run["compute_s"] for run in runs],
             "exit_statuses": [run["exit_status"] for run in runs],
         },
-        "floor": {"import_walls_s": import_walls, "import_s": import_s, "compute_s": compute_s, "floor_s": floor},
+        "floor": {
+            "modules": imported_modules(runs),
+            "modules_from_runs": any(run.get("imports") is not None for run in runs),
+            "import_walls_s": import_walls,
+            "import_s": import_s,
+            "compute_s": compute_s,
+            "floor_s": floor,
+        },
         "overhead_ratio": values["overhead_ratio"],
         "per_cell": per_cell,
         "speedup": values["speedup"],
@@ -362,14 +397,21 @@ def report_markdown(f: dict) -> str:
         f"| matrix wall, each run | {seconds(f['matrix']['walls_s'])} |",
         f"| matrix wall, median (min) | {f['matrix']['median_s']:.1f} s ({f['matrix']['min_s']:.1f} s) |",
         f"| floor = import + cell compute | {fl['floor_s']:.1f} s = {fl['import_s']:.1f} s + {fl['compute_s']:.1f} s |",
-        f"| import the stack, each run (median) | {seconds(fl['import_walls_s'])} ({fl['import_s']:.1f} s) |",
+        f"| import what the runs imported, each time (median) | {seconds(fl['import_walls_s'])} "
+        f"({fl['import_s']:.1f} s) |",
         f"| cell compute, each run (median) | {seconds(f['matrix']['compute_s'])} ({fl['compute_s']:.1f} s) |",
         f"| overhead ratio = wall / floor | {f['overhead_ratio']:.2f} |",
         f"| process-per-cell total | {pc['total_s']:.1f} s, {pc['mean_s']:.2f} s per cell; {per_cell_how} |",
         f"| speed-up = process-per-cell / wall | {f['speedup']:.1f}x |",
         "",
         "The floor is what the matrix would take if running it cost nothing beyond importing the stack once "
-        "and each cell's own compute (`duration_s` in results.json).",
+        "and each cell's own compute (`duration_s` in results.json). The import is of "
+        + ", ".join(f"`{name}`" for name in fl["modules"])
+        + (
+            ": what the runs had imported."
+            if fl["modules_from_runs"]
+            else ": the whole stack, because the runs did not say what they imported."
+        ),
         "",
         "## Targets",
         "",
@@ -431,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = runner_command(args.runner)
         with tempfile.TemporaryDirectory(prefix="matrix-bench-") as reports:
             runs, other["matrix"] = watched(run_matrix, runner, pytest_args, args.repeat, Path(reports))
-        import_walls, other["import"] = watched(measure_import, args.repeat)
+        import_walls, other["import"] = watched(measure_import, args.repeat, imported_modules(runs))
         cells = runs[0]["cells"]
         per_cell, other["per_cell"] = watched(run_per_cell, cells, pytest_args, args.per_cell_sample)
     except BenchError as error:

@@ -230,13 +230,18 @@ class ExploreClock:
         return share
 
 
+def deterministic_algorithms() -> tuple[bool, bool]:
+    """torch's deterministic-algorithms mode: (enabled, warn only)."""
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 @pytest.fixture
 def isolated_torch_state():
     """A cell starts clean and leaves nothing behind (the matrix's tests ask for it)."""
     saved = (
         torch.get_default_dtype(),
         torch.is_grad_enabled(),
-        torch.are_deterministic_algorithms_enabled(),
+        deterministic_algorithms(),
         torch.get_num_threads(),
         dict(os.environ),
     )
@@ -244,7 +249,8 @@ def isolated_torch_state():
     default_dtype, grad_enabled, deterministic, threads, env = saved
     torch.set_default_dtype(default_dtype)
     torch.set_grad_enabled(grad_enabled)
-    torch.use_deterministic_algorithms(deterministic)
+    if deterministic_algorithms() != deterministic:  # its setter imports torch._inductor: 1.5 s, so only if changed
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     torch.set_num_threads(threads)
     os.environ.clear()
     os.environ.update(env)

@@ -12,8 +12,18 @@ def load_results(tmp_path):
     return json.loads((tmp_path / "reports" / "latest" / "results.json").read_text())
 
 
-def test_a_broken_custom_function_fails_with_its_signature_and_phase(run_pytest, tmp_path):
-    done = run_pytest(*PLUGIN, "--model", "broken-matmul", "--precision", "fp32,bf16-mixed", "--device", "cpu")
+BROKEN = ("--model", "broken-matmul", "--precision", "fp32,bf16-mixed", "--device", "cpu")
+
+
+@pytest.fixture(scope="module")
+def broken_run(tmp_path_factory, fresh_pytest):
+    """One run of the broken custom Function's cells, read by the tests below."""
+    directory = tmp_path_factory.mktemp("broken")
+    return fresh_pytest(*PLUGIN, *BROKEN, report_dir=directory / "reports"), directory
+
+
+def test_a_broken_custom_function_fails_with_its_signature_and_phase(broken_run):
+    done, tmp_path = broken_run
     assert done.returncode == 1, done.stdout[-3000:]
     cells = {c["id"]: c for c in load_results(tmp_path)["cells"]}
 
@@ -51,25 +61,13 @@ def test_a_broken_custom_function_fails_with_its_signature_and_phase(run_pytest,
     assert broken["rerun"] == rerun
 
 
-def test_the_same_failure_gives_the_same_signature_in_two_runs(run_pytest, tmp_path):
-    ids = []
-    for run in ("one", "two"):
-        report_dir = tmp_path / run
-        run_pytest(
-            *PLUGIN,
-            "--model",
-            "broken-matmul",
-            "--precision",
-            "bf16-mixed",
-            "--mode",
-            "train",
-            "--device",
-            "cpu",
-            report_dir=report_dir,
-        )
-        results = json.loads((report_dir / "latest" / "results.json").read_text())
-        ids.append(results["cells"][0]["signature"]["id"])
-    assert ids[0] == ids[1]
+def test_the_same_failure_gives_the_same_signature_in_two_runs(broken_run, run_pytest, tmp_path):
+    """The run above, and a second one, of that cell alone, in another process."""
+    cell = "broken-matmul-bf16-mixed-train-cpu-torch"
+    run_pytest(*PLUGIN, *BROKEN, "--mode", "train", "-k", "bf16", report_dir=tmp_path / "two" / "reports")
+    first, second = (load_results(directory)["cells"] for directory in (broken_run[1], tmp_path / "two"))
+    assert [c["id"] for c in second] == [cell] and second[0]["outcome"] == "failed"
+    assert next(c for c in first if c["id"] == cell)["signature"]["id"] == second[0]["signature"]["id"]
 
 
 @pytest.mark.timeout(300)

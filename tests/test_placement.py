@@ -10,7 +10,6 @@ library device.
 
 import pytest
 import torch
-from lightning.pytorch.strategies import Strategy
 
 from matrix import checks
 from matrix.cell import Cell
@@ -34,6 +33,8 @@ def test_a_model_partly_elsewhere_breaks_placement_naming_both_devices():
 def teardown_moves_the_model_to_meta(monkeypatch):
     """Lightning's teardown as it behaves on CUDA, seen from a CPU cell: the module leaves the
     cell's device when fit() or validate() returns."""
+    from lightning.pytorch.strategies import Strategy  # here: collecting this module imports no Lightning
+
     original = Strategy.teardown
 
     def teardown(self):

@@ -140,6 +140,36 @@ def test_another_test_taking_a_cell_argument_is_left_alone(project):
     done.assert_outcomes(passed=1)
 
 
+def test_the_isolation_fixture_puts_back_what_a_test_changed(pytester, monkeypatch):
+    """isolated_torch_state restores torch's process-wide settings after each test that asks for
+    it, the deterministic-algorithms mode (and its warn-only flag) among them."""
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    pytester.makepyfile(
+        test_state="""
+        import os
+        import torch
+
+        THREADS = torch.get_num_threads()
+
+        def test_changes_everything(isolated_torch_state):
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.set_default_dtype(torch.float64)
+            torch.set_grad_enabled(False)
+            torch.set_num_threads(THREADS + 1)
+            os.environ["MATRIX_TEST_LEFTOVER"] = "1"
+
+        def test_finds_it_as_it_was(isolated_torch_state):
+            assert not torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()
+            assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+            assert torch.get_num_threads() == THREADS
+            assert "MATRIX_TEST_LEFTOVER" not in os.environ
+        """
+    )
+    done = pytester.runpytest_subprocess("test_state.py", "--no-report", "-p", "no:cacheprovider")
+    done.assert_outcomes(passed=2)
+
+
 @pytest.mark.parametrize(
     ("plugin_source", "expected"),
     [

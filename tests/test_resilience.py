@@ -47,10 +47,21 @@ def by_id(document: dict) -> dict:
     return {cell["id"]: cell for cell in document["cells"]}
 
 
-def test_a_segfault_and_an_abort_are_recorded_and_every_other_cell_runs(tmp_path):
-    done = matrix_run(tmp_path, "--model", "fault-segfault,fault-abort")
+CRASHING = ("--model", "fault-segfault,fault-abort")
+
+
+@pytest.fixture(scope="module")
+def crashed_run(tmp_path_factory):
+    """One run in which two cells' processes crash (four crashes, five processes), for the
+    tests that look at what such a run records."""
+    directory = tmp_path_factory.mktemp("crashes")
+    return matrix_run(directory, *CRASHING), directory / "run"
+
+
+def test_a_segfault_and_an_abort_are_recorded_and_every_other_cell_runs(crashed_run):
+    done, directory = crashed_run
     assert done.returncode == 1, done.stderr[-3000:]
-    document = results(tmp_path / "run")
+    document = results(directory)
     cells = by_id(document)
     assert len(cells) == 8 and document["run"]["incomplete"] is False
     for model, signal_name, origin in (
@@ -66,6 +77,14 @@ def test_a_segfault_and_an_abort_are_recorded_and_every_other_cell_runs(tmp_path
     # the same fault gives the same signature each time it happens
     assert len({cells[f"fault-segfault-bf16-true-{m}-cpu-torch"]["signature"]["id"] for m in ("train", "eval")}) == 1
     assert "crashed (SIGSEGV)" in done.stderr and "resuming the run" in done.stderr
+
+
+def test_the_report_records_the_command_the_user_typed(crashed_run):
+    """Not the command of the process that resumed the run after a crash."""
+    done, directory = crashed_run
+    assert done.returncode == 1, done.stderr[-2000:]
+    command = results(directory)["run"]["command"]
+    assert command.startswith(" ".join(["python -m matrix run -p fault_models", *CELLS, *CRASHING])), command
 
 
 def test_a_sleeping_cell_times_out_in_plain_pytest_too(tmp_path):
@@ -244,10 +263,3 @@ def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_
     assert {c["engine"] for c in cells.values()} == {"torch", "accelerate", "lightning"}
     assert cells["downstream-bag-fp32-train-cpu-torch"]["outcome"] == "passed"
     assert cells["downstream-bag-fp32-train-cpu-torch"]["phases"]["checkpoint_reload"] == "passed"
-
-
-def test_the_report_records_the_command_the_user_typed(tmp_path):
-    done = matrix_run(tmp_path, "--model", "fault-abort", "--mode", "eval")
-    assert done.returncode == 1, done.stderr[-2000:]
-    command = results(tmp_path / "run")["run"]["command"]
-    assert command.startswith("python -m matrix run -p fault_models "), command
