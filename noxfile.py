@@ -163,7 +163,8 @@ def compare(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The harness's own tests, then a smoke slice of the matrix (the fp32 baseline cells).
+    """The harness's own tests, the matrix's fp32 baseline among them (tests/test_baseline.py:
+    python -m matrix run over every model and engine, as a user runs it).
 
     The tests run on pytest-xdist workers, one per core: most of their time is spent in the
     pytest and python -m matrix processes they start, which a second core overlaps; idle
@@ -172,20 +173,6 @@ def tests(session: nox.Session) -> None:
     """
     install_stack(session, "test")
     session.run("python", "-m", "pytest", "tests", "-n", "auto", "--dist", "worksteal", *session.posargs)
-    smoke_reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
-    session.run(
-        "python",
-        "-m",
-        "matrix",
-        "run",
-        "cases",
-        "--precision",
-        "fp32",
-        "--device",
-        "cpu",
-        "--report-dir",
-        str(Path(smoke_reports) / "smoke-reports"),
-    )
 
 
 @nox.session

@@ -97,6 +97,8 @@ def test_a_pattern_matches_its_whole_family_of_signatures(dtype, phase):
         (('"pytorch/pytorch#1"', '"pytorch issue 1"'), "expected owner/repo#number"),
         (("(BFloat16|Half)", "(BFloat16|Half"), "field 'signature' is not a regular expression"),
         (("[[entry]]", "[[entry]"), "not valid TOML"),
+        (("[[entry]]", "[entry]"), "entry: must be an array of tables"),
+        (('model = ["tiny-transformer"]', 'model = ["gpt"]'), "cells[0].model has unknown value 'gpt'"),
     ],
 )
 def test_a_malformed_catalogue_names_the_file_and_the_field(change, message, tmp_path):

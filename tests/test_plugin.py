@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -24,17 +25,6 @@ SELECTION = (
     "--device", "cpu,cpu-alias",
     "--engine", "torch,torch-twin,accelerate",
 )  # fmt: skip
-
-
-@pytest.fixture
-def project(pytester, monkeypatch):
-    """A downstream project: its conftest loads the plugin module, its test module imports the
-    matrix's test; the matrix's own plugin comes from its pytest11 entry point."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    pytester.makeconftest("import user_axes  # noqa: F401  (registers its axis values and catalogue)\n")
-    pytester.makepyfile(test_matrix="from matrix.pytest_cases import test_cell  # noqa: F401\n")
-    return pytester
 
 
 @pytest.fixture(scope="module")
@@ -110,42 +100,21 @@ def test_replay_and_repro_load_the_users_plugin(user_run, tmp_path):
     assert ran.returncode == 1 and "REPRODUCED in train_steps: RuntimeError: expected m1 and m2" in ran.stdout
 
 
-def test_a_project_of_its_own_gets_the_cells_from_its_conftest(project):
-    done = project.runpytest_subprocess(
-        "--model", "user-broken", "--precision", "fp32,bf16-mixed", "--mode", "train", "--device", "cpu",
-        "--engine", "torch", "--report-dir", str(project.path / "reports"), "-p", "no:cacheprovider",
-    )  # fmt: skip
-    done.assert_outcomes(passed=1, xfailed=1)
-    results = json.loads((project.path / "reports" / "latest" / "results.json").read_text())
-    rerun = {c["id"]: c["rerun"] for c in results["cells"]}
-    # the node id is the project's own test module; its conftest loads the plugin, so no -p
-    expected = "pytest 'test_matrix.py::test_cell[user-broken-fp32-train-cpu-torch]'"
-    assert rerun["user-broken-fp32-train-cpu-torch"] == expected
-
-
-def test_another_test_taking_a_cell_argument_is_left_alone(project):
-    """Only the matrix's own tests are parametrized with the cells; the plugin's fixtures and
-    parametrization do not leak into a project's other tests."""
-    project.makepyfile(
-        test_other="""
+# a downstream project: what a user's repository holds to run the matrix's cells as its own tests
+PROJECT = {
+    "conftest.py": "import user_axes  # noqa: F401  (registers its axis values and catalogue)\n",
+    "test_matrix.py": "from matrix.pytest_cases import test_cell  # noqa: F401\n",
+    # a test of the project's own that takes an argument named `cell`
+    "test_other.py": """
         import pytest
 
         @pytest.mark.parametrize("cell", ["mine"])
         def test_mine(cell, request):
             assert cell == "mine"
             assert "isolated_torch_state" not in request.fixturenames
-        """
-    )
-    done = project.runpytest_subprocess("test_other.py", "--no-report", "-p", "no:cacheprovider")
-    done.assert_outcomes(passed=1)
-
-
-def test_the_isolation_fixture_puts_back_what_a_test_changed(pytester, monkeypatch):
-    """isolated_torch_state restores torch's process-wide settings after each test that asks for
-    it, the deterministic-algorithms mode (and its warn-only flag) among them."""
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    pytester.makepyfile(
-        test_state="""
+        """,
+    # tests that change torch's process-wide settings, and one after them that asks for the fixture
+    "test_state.py": """
         import os
         import torch
 
@@ -164,10 +133,44 @@ def test_the_isolation_fixture_puts_back_what_a_test_changed(pytester, monkeypat
             assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
             assert torch.get_num_threads() == THREADS
             assert "MATRIX_TEST_LEFTOVER" not in os.environ
-        """
-    )
-    done = pytester.runpytest_subprocess("test_state.py", "--no-report", "-p", "no:cacheprovider")
-    done.assert_outcomes(passed=2)
+        """,
+}
+
+
+def test_a_project_of_its_own_runs_its_cells_beside_its_own_tests(pytester, monkeypatch):
+    """A downstream project (PROJECT), run once with plain pytest: its conftest loads the plugin
+    module, test_matrix.py imports the matrix's test, and the matrix's own plugin comes from its
+    pytest11 entry point. Its cells run and re-run without -p; its other tests are not
+    parametrized with the cells, even with a selection given, and get none of the plugin's
+    fixtures unasked; isolated_torch_state, asked for, restores torch's process-wide settings
+    (the deterministic-algorithms mode and its warn-only flag among them)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    for name, source in PROJECT.items():
+        (pytester.path / name).write_text(textwrap.dedent(source))
+    done = pytester.runpytest_subprocess(
+        "--model", "user-broken", "--precision", "fp32,bf16-mixed", "--mode", "train", "--device", "cpu",
+        "--engine", "torch", "--report-dir", str(pytester.path / "reports"), "-p", "no:cacheprovider", "-rA",
+    )  # fmt: skip
+    summary = "\n".join(done.outlines).rpartition("short test summary info")[2].splitlines()
+    outcomes = dict(reversed(line.split(" ", 2)[:2]) for line in summary if line.startswith(("PASSED ", "XFAIL ")))
+    assert outcomes == {
+        "test_matrix.py::test_cell[user-broken-fp32-train-cpu-torch]": "PASSED",
+        "test_matrix.py::test_cell[user-broken-bf16-mixed-train-cpu-torch]": "XFAIL",
+        "test_other.py::test_mine[mine]": "PASSED",  # its own parameter, not the cells
+        "test_state.py::test_changes_everything": "PASSED",
+        "test_state.py::test_finds_it_as_it_was": "PASSED",  # what the test before it changed is back
+    }, "\n".join(done.outlines[-60:])
+    done.assert_outcomes(passed=4, xfailed=1)
+    results = json.loads((pytester.path / "reports" / "latest" / "results.json").read_text())
+    rerun = {c["id"]: c["rerun"] for c in results["cells"]}
+    # the node id is the project's own test module; its conftest loads the plugin, so no -p
+    assert rerun == {
+        "user-broken-fp32-train-cpu-torch": "pytest 'test_matrix.py::test_cell[user-broken-fp32-train-cpu-torch]'",
+        "user-broken-bf16-mixed-train-cpu-torch": (
+            "pytest 'test_matrix.py::test_cell[user-broken-bf16-mixed-train-cpu-torch]'"
+        ),
+    }
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,36 @@
+"""The fp32 baseline of the whole matrix on this machine, run as a user runs it.
+
+Every other precision is compared with fp32, so its cells have to pass here before any other
+result means anything. This module's name sorts first: under pytest-xdist a worker starts the
+run (about half a minute on 2 cores) at once, beside the shorter tests, instead of ending
+the session alone.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = ("python", "-m", "matrix", "run", "cases", "--precision", "fp32", "--device", "cpu")
+
+
+def test_the_fp32_cells_of_every_model_and_engine_pass_here(tmp_path):
+    """Any cell may skip, naming the capability missing here (Triton, the real model's weights);
+    none may fail in a way the known-failure catalogue does not know, and every engine passes
+    cells of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    command = [sys.executable, *COMMAND[1:], "--report-dir", str(tmp_path), "--run-id", "baseline"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    report = tmp_path / "baseline"
+    assert done.returncode == 0, (report / "summary.md").read_text() if report.exists() else done.stderr[-3000:]
+
+    document = json.loads((report / "results.json").read_text())
+    cells, selection = document["cells"], document["run"]["selection"]
+    assert len(cells) == len(selection["model"]) * len(selection["engine"]) * 2  # train and eval
+    assert [c["id"] for c in cells if c["outcome"] == "failed"] == []
+    for cell in cells:
+        if cell["outcome"] == "skipped":
+            assert cell["skip_reason"].startswith("Requires: ["), cell
+    assert {c["engine"] for c in cells if c["outcome"] == "passed"} == set(selection["engine"])
