@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMAND = ("python", "-m", "matrix", "run", "cases", "--precision", "fp32", "--device", "cpu")
+ARGUMENTS = ("-m", "matrix", "run", "cases", "--precision", "fp32", "--device", "cpu")
 
 
 def test_the_fp32_cells_of_every_model_and_engine_pass_here(tmp_path):
@@ -21,10 +21,11 @@ def test_the_fp32_cells_of_every_model_and_engine_pass_here(tmp_path):
     none may fail in a way the known-failure catalogue does not know, and every engine passes
     cells of its own."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    command = [sys.executable, *COMMAND[1:], "--report-dir", str(tmp_path), "--run-id", "baseline"]
+    command = [sys.executable, *ARGUMENTS, "--report-dir", str(tmp_path), "--run-id", "baseline"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     report = tmp_path / "baseline"
-    assert done.returncode == 0, (report / "summary.md").read_text() if report.exists() else done.stderr[-3000:]
+    summary = report / "summary.md"
+    assert done.returncode == 0, summary.read_text() if summary.exists() else done.stdout[-3000:] + done.stderr[-3000:]
 
     document = json.loads((report / "results.json").read_text())
     cells, selection = document["cells"], document["run"]["selection"]
