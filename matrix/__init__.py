@@ -25,7 +25,9 @@ Where things live (one home each):
                      diff and merge: standard library only
   recording.py     - a run's recording: directory, journal, report (no pytest)
   options.py       - every command-line option, for the plugin and python -m matrix run
-  plugin.py        - the pytest plugin (entry point pytest11: matrix): hooks and fixtures
+  cell_environment.py - the environment variables the cells run under, set only while they run
+  plugin.py        - the pytest plugin (entry point pytest11: matrix): hooks and fixtures; no
+                     torch until the matrix is used
   pytest_cases.py  - the matrix's two tests, test_cell and test_explore
   runner.py        - python -m matrix run: the crash- and hang-surviving supervisor
   strategies.py, explore.py - hypothesis exploration of the variants the grid does not run

@@ -29,10 +29,10 @@ def load_plugins(command: str, modules: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+    if argv[:1] == ["run"]:
         from matrix.runner import main as run_matrix
 
-        return run_matrix(argv[1:])  # everything after `run` is pytest's
+        return run_matrix(argv[1:])  # everything after `run` is pytest's; run --help is the runner's own
     parser = argparse.ArgumentParser(prog="python -m matrix")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
@@ -196,7 +196,8 @@ def merge_runs(args) -> int:
 
 
 def replay_cell(cell_id: str, variant_json: str | None, cuda_index: int) -> int:
-    """Exit 0 when the cell passes, 1 when it fails (its signature first), 2 on bad input."""
+    """Exit 0 when the cell passes, 1 when it fails (its signature first, then the cell, its
+    message and its whole traceback), 2 on bad input."""
     import tempfile
 
     from matrix.execute import run_cell
@@ -222,6 +223,8 @@ def replay_cell(cell_id: str, variant_json: str | None, cuda_index: int) -> int:
         print(f"{cell.id}: passed")
         return 0
     print(f"{result.signature.id} {result.signature.text}\n{cell.id}: failed in {result.phase}\n{result.message}")
+    if result.traceback:  # whole: a record keeps its ends (crash_dump.TRACEBACK_LIMIT), a replay is for reading it all
+        print("\n" + result.traceback.rstrip("\n"))
     return 1
 
 

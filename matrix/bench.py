@@ -97,7 +97,7 @@ def progress(line: str) -> None:
 
 def timed(command: list[str], env_extra: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
     env = {**os.environ, **(env_extra or {})}
-    env.setdefault("HF_HUB_OFFLINE", "1")  # as the pytest plugin sets it before importing the stack
+    env.setdefault("HF_HUB_OFFLINE", "1")  # as the matrix's cells run (matrix/cell_environment.py)
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -100,12 +100,25 @@ def check_trained_in_train_mode(training_in_first_forward: bool | None) -> None:
 
 def check_loss_decreased(before: float, after: float, bound: LossDecrease) -> float:
     """The relative fall of the training loss on the fixed batch from before training to after
-    it; raises when it is below the bound."""
+    it; raises when it is below the bound (a share of the fp32 twin's fall)."""
     fallen = relative_fall(before, after)
     if not bound.allows(before, after):
         raise LossNotDecreasing(
-            "the training loss did not fall by the bound over training",
+            "the training loss fell less than its fp32 twin's bound over training",
             details=f"{before:.6g} -> {after:.6g}: {fallen:.2%}, bound {bound.min_relative:.2%}",
+        )
+    return fallen
+
+
+def check_fp32_learns(before: float, after: float, bound: LossDecrease, learning_rate: float) -> float:
+    """fp32 itself must learn at the kind's learning rate: when it does not, the cause is the
+    model, its batch or its rate, not a precision, and the message says so."""
+    fallen = relative_fall(before, after)
+    if not bound.allows(before, after):
+        raise LossNotDecreasing(
+            "fp32 training did not lower the loss by the bound: the model does not learn at its learning rate",
+            details=f"learning rate {learning_rate:g}; {before:.6g} -> {after:.6g}: {fallen:.2%}, "
+            f"bound {bound.min_relative:.2%}",
         )
     return fallen
 
@@ -172,16 +185,26 @@ def check_outputs_equal(what: str, expected: torch.Tensor, actual: torch.Tensor,
         raise CheckpointMismatch(f"{what}: dtype {actual.dtype} after reload, {expected.dtype} before")
     if expected.shape != actual.shape:
         raise CheckpointMismatch(f"{what}: shape changed across reload")
+    before_bad, after_bad = ~torch.isfinite(expected.float()), ~torch.isfinite(actual.float())
+    if before_bad.any() and torch.equal(before_bad, after_bad):
+        # NaN on both sides compares unequal with itself, and counts no value "differing": say what it is
+        raise NonFiniteValue(
+            f"{what} are not finite, before and after reload alike",
+            details=f"{int(before_bad.sum())} of {expected.numel()} values non-finite on both sides",
+        )
     difference = (expected.float() - actual.float()).abs()
-    worst = difference.max().item() if difference.numel() else 0.0
-    allowed = tolerance.atol + tolerance.rtol * expected.float().abs()
-    if not bool((difference <= allowed).all()):
-        count = int((difference > allowed).sum())
+    differing = ~(difference <= tolerance.atol + tolerance.rtol * expected.float().abs())  # NaN counts
+    if bool(differing.any()):
+        finite = difference[~(before_bad | after_bad)]
+        worst = finite.max().item() if finite.numel() else float("nan")
+        nonfinite = int((before_bad ^ after_bad).sum())
         raise CheckpointMismatch(
             f"{what} differ after reload",
-            details=f"{count} of {difference.numel()} values, max abs difference {worst:.3g}",
+            details=f"{int(differing.sum())} of {difference.numel()} values"
+            + (f" ({nonfinite} finite on one side only)" if nonfinite else "")
+            + f", max abs difference {worst:.3g}",
         )
-    return worst
+    return difference.max().item() if difference.numel() else 0.0
 
 
 def optimizer_state(optimizer) -> dict[str, torch.Tensor]:
@@ -217,6 +240,11 @@ def check_optimizer_state_restored(saved: dict[str, torch.Tensor], optimizer) ->
 
 
 def check_engine_agreement(what: str, value: float, torch_engine_value: float, tolerance: Tolerance) -> None:
+    if not math.isfinite(value) and not math.isfinite(torch_engine_value):
+        raise NonFiniteValue(
+            f"{what} is not finite in this engine nor in the torch engine",
+            details=f"{value} vs {torch_engine_value}",
+        )
     if not math.isfinite(value) or not tolerance.allows(value, torch_engine_value):
         raise EngineDisagreement(
             f"{what} disagrees with the torch engine's beyond tolerance",

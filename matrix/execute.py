@@ -170,6 +170,7 @@ def run_and_record(
         phases=result.phases,
         signature=signature.as_dict() if signature else None,
         message=result.message,
+        traceback=result.traceback,
         known_failure=known_failure_record(entry) if entry else None,
         duration_s=result.duration_s,
         metrics=result.metrics,

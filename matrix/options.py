@@ -34,6 +34,11 @@ class Option:
     def dest(self) -> str:
         return "matrix_" + self.flag.removeprefix("--").removeprefix("matrix-").replace("-", "_")
 
+    @property
+    def unset(self) -> object:
+        """Its value when the command line does not give it."""
+        return False if self.flag_only else [] if self.repeatable else self.default
+
 
 def positive_seconds(text) -> float:
     try:
@@ -104,8 +109,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--world-size",
-        "ranks of the process group the distributed engines (ddp, fsdp2) run on (default 2; gloo on CPU, nccl on "
-        "CUDA with one GPU per rank)",
+        "ranks of the process group the distributed engines (ddp, fsdp2, accelerate-fsdp2) run on (default 2; gloo "
+        "on CPU, nccl on CUDA with one GPU per rank)",
         default="2",
         metavar="N",
         check=world_size,
@@ -162,6 +167,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--strict-known", "a cell the catalogue says fails but that passes (fixed) fails the run", flag_only=True),
 )
 BY_DEST = {option.dest: option for option in OPTIONS}
+BY_FLAG = {option.flag: option for option in OPTIONS}
 
 
 def checked(dest: str, value):
@@ -175,10 +181,15 @@ def checked(dest: str, value):
         raise OptionError(f"{option.flag}: {error}") from None
 
 
-def add_arguments(add) -> None:
-    """Declare every option through `add(flag, **kwargs)`: pytest's group.addoption or
-    argparse's add_argument take the same keywords."""
-    for option in OPTIONS:
+def given(value_of) -> list[str]:
+    """The options a command line gave, by flag; value_of(dest) is the parsed value."""
+    return [option.flag for option in OPTIONS if value_of(option.dest) != option.unset]
+
+
+def add_arguments(add, which: tuple[Option, ...] = OPTIONS) -> None:
+    """Declare every option (or those of `which`) through `add(flag, **kwargs)`: pytest's
+    group.addoption or argparse's add_argument take the same keywords."""
+    for option in which:
         kwargs: dict = {"dest": option.dest, "help": argparse.SUPPRESS if option.hidden else option.help}
         if option.flag_only:
             kwargs.update(action="store_true", default=False)

@@ -5,6 +5,7 @@ evaluation against fp32, checkpoint round trip, agreement with the torch engine)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,14 +17,20 @@ from matrix.devices import DEVICES, Device
 from matrix.models import ModelKind
 from matrix.precisions import PRECISIONS, Precision, dtype_name
 from matrix.signatures import signature_of
-from matrix.tolerances import CHECKPOINT_ROUND_TRIP, eval_loss_tolerance, loss_decrease_bound, relative_fall
+from matrix.tolerances import (
+    CHECKPOINT_ROUND_TRIP,
+    LOSS_FALL_VS_FP32,
+    LossDecrease,
+    eval_loss_tolerance,
+    loss_decrease_bound,
+    relative_fall,
+)
 
 PHASE_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train_steps", "mid_training_eval", "checkpoint_save", "checkpoint_reload", "resumed_step"),
     "eval": ("evaluate", "checkpoint_save", "checkpoint_reload"),
 }
 TRAIN_STEPS = 3  # optimizer steps actually applied
-LEARNING_RATE = 1e-2
 # GradScaler starts at 2**16 and halves the scale on every overflow, skipping that step by
 # design; on these tiny models the first few fp16 steps overflow. Attempts are capped so
 # a scaler that never recovers is a failure, not a hang.
@@ -32,6 +39,9 @@ MAX_STEP_ATTEMPTS = 16
 # every engine, and in the torch engine's yardstick: the cross-engine check compares losses
 # computed from the same draws (seed_first_training_forward).
 FIRST_FORWARD_SEED = 20261123
+# engine_state key: while set, the first-forward hooks (watch_first_forward,
+# seed_first_training_forward) let a forward pass that is not the cell's first training one
+HOOKS_PAUSED = "first_forward_hooks_paused"
 
 
 @dataclass
@@ -71,6 +81,7 @@ class CellState:
         return torch.inference_mode() if self.kind.variant.eval_grad_mode == "inference_mode" else torch.no_grad()
 
     def build(self) -> None:
+        self.metrics["kind"] = kind_record(self.kind)
         self.model = self.kind.build(self.precision, self.device, self.workdir)
         self.batch = self.kind.batch(self.device)
         self.metrics["effective"] = effective_settings(self)
@@ -80,11 +91,98 @@ class CellState:
 
     @property
     def learning_rate(self) -> float:
-        """AdamW's learning rate in every engine: the kind's own, else LEARNING_RATE."""
-        return self.kind.learning_rate or LEARNING_RATE
+        """AdamW's learning rate in every engine: the kind's own, else the one calibrated for it
+        (matrix/learning_rate.py); recorded in the cell's metrics."""
+        established = kind_learning_rate(self.kind)
+        self.metrics["learning_rate"] = established.as_dict()
+        return established.value
 
     def new_optimizer(self, model) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.learning_rate)
+
+
+def kind_learning_rate(kind):
+    """The kind's learning rate and its fp32 twin's fall (matrix/learning_rate.py), measured by
+    Fp32Training."""
+    from matrix.learning_rate import learning_rate
+
+    return learning_rate(kind, Fp32Training)
+
+
+class Fp32Training:
+    """How the learning-rate search measures: fp32 in the torch engine, on the CPU, as a cell
+    trains (seeded_training_loss before and after TRAIN_STEPS applied steps of train_step)."""
+
+    @staticmethod
+    def state(kind, workdir: Path) -> CellState:
+        cpu = torch.device("cpu")
+        return CellState(
+            cell=Cell(kind.name, "fp32", "train", "cpu", "torch"),
+            kind=kind,
+            precision=PRECISIONS["fp32"],
+            device=cpu,
+            workdir=workdir,
+            metrics={},
+            batch=kind.batch(cpu),
+        )
+
+    @staticmethod
+    def loss_before(kind, workdir: Path) -> float:
+        """The fp32 model's seeded training loss before any step: the kind's fingerprint."""
+        state = Fp32Training.state(kind, workdir)
+        return seeded_training_loss(state, fresh_model(state))
+
+    @staticmethod
+    def fall(kind, rate: float, workdir: Path):
+        """fp32 training of a fresh model at `rate`; the global generators are left as they were."""
+        from matrix.learning_rate import Fall
+
+        state = Fp32Training.state(kind, workdir)
+        model = fresh_model(state)
+        before = seeded_training_loss(state, model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=rate)
+        model.train()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(FIRST_FORWARD_SEED)  # the draws every engine's first training forward makes
+            try:
+                train_until_applied(state, lambda: train_step(state, model, optimizer, None), TRAIN_STEPS)
+            except checks.CheckFailure as failure:  # a non-finite loss, gradient or weight: this rate does not learn
+                return Fall(rate, before, None, error=f"{type(failure).__name__}: {failure}")
+        return Fall(rate, before, seeded_training_loss(state, model))
+
+
+BF16_MANTISSA_BITS = 7
+
+
+def kind_traits(kind) -> frozenset[str]:
+    """The traits catalogue selectors match (matrix/models/base.py TRAITS): the ones the kind
+    declares, else those observed on its model (matrix/observation.py) and, from its learning
+    rate, `updates-below-bf16-resolution`: an AdamW step (about the learning rate) is below half
+    a bf16 ulp of its largest trainable weights, so in bf16 they cannot move."""
+    from matrix.observation import effective_traits, observe
+
+    traits = set(effective_traits(kind))
+    if getattr(kind, "traits", None) is not None:
+        return frozenset(traits)
+    magnitude = observe(kind).largest_trainable_magnitude
+    if magnitude > 0:
+        half_ulp = 2.0 ** (math.floor(math.log2(magnitude)) - BF16_MANTISSA_BITS - 1)
+        if kind_learning_rate(kind).value < half_ulp:
+            traits.add("updates-below-bf16-resolution")
+    return frozenset(traits)
+
+
+def kind_record(kind) -> dict:
+    """What the report records of the cell's model kind: the traits catalogue selectors match,
+    the ones it declares (None: observed), and what was observed (matrix/observation.py)."""
+    from matrix.observation import observe
+
+    declared = getattr(kind, "traits", None)
+    return {
+        "traits": sorted(kind_traits(kind)),
+        "declared_traits": sorted(declared) if declared is not None else None,
+        "observed": observe(kind).as_dict(),
+    }
 
 
 def effective_settings(state: CellState) -> dict:
@@ -122,7 +220,7 @@ def watch_first_forward(state: CellState, model) -> None:
     linears = {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
     def observe(module, args):
-        if id(module) not in linears:
+        if id(module) not in linears or state.engine_state.get(HOOKS_PAUSED):
             return
         enabled = torch.is_autocast_enabled(state.device_type)
         dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
@@ -147,7 +245,7 @@ def seed_first_training_forward(state: CellState, model) -> None:
     """
 
     def seed(module, args):
-        if module is model:
+        if module is model and not state.engine_state.get(HOOKS_PAUSED):
             # a library may leave a model in eval mode while training it (dropout off): recorded
             state.metrics["effective"]["model_training_in_first_forward"] = module.training
             if module.training:
@@ -226,6 +324,39 @@ def position_deviations(logits: torch.Tensor, reference: torch.Tensor, attention
     }
 
 
+def train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
+    """One optimizer step over the precision's micro-batches, as the torch engine takes it (the
+    way the precisions are defined). Returns (loss, step applied)."""
+    optimizer.zero_grad(set_to_none=True)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    accumulation = state.precision.grad_accumulation
+    losses = []
+    for _ in range(accumulation):
+        with state.precision.autocast(state.device_type):
+            loss = state.kind.loss(model, state.batch) / accumulation
+        losses.append(checks.check_finite_loss(loss, "training loss") * accumulation)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if state.precision.grad_dtype is not None:
+            # keep the accumulated gradients in grad_dtype, as SimpleTuner's
+            # --gradient_precision does between micro-steps
+            for _, p in named:
+                if p.grad is not None and p.grad.dtype != state.precision.grad_dtype:
+                    p.grad.data = p.grad.data.to(state.precision.grad_dtype)
+    value = sum(losses) / len(losses)
+    if scaler is None:
+        checks.check_finite_gradients(named)
+        optimizer.step()
+        applied = True
+    else:
+        scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
+        overflow = bool(checks.nonfinite_gradients(named))  # such a step is skipped by design
+        scaler.step(optimizer)
+        scaler.update()
+        applied = not overflow
+    checks.check_finite_parameters(named, "after the optimizer step")
+    return value, applied
+
+
 def train_until_applied(state: CellState, step, steps: int) -> list[float]:
     """Call step() -> (loss, applied) until `steps` optimizer steps were applied."""
     losses, skipped = [], 0
@@ -277,10 +408,42 @@ def loss_before_training(state: CellState) -> float:
 
 
 def torch_engine_loss(state: CellState, mode: str) -> float:
-    """The loss the torch engine computes first, on a fresh model: the cross-engine yardstick."""
+    """The loss the torch engine computes first, on a fresh model: the cross-engine yardstick.
+    `train-dropout-off`: the training loss of a fresh model with dropout off (eval mode)."""
     if mode == "train":
         return loss_before_training(state)
+    if mode == DROPOUT_OFF:
+        return dropout_off_loss(state, fresh_model(state), state.batch)
     return evaluate_in_precision(state, fresh_model(state)).loss.float().item()
+
+
+DROPOUT_OFF = "train-dropout-off"
+
+
+def dropout_off_loss(state: CellState, model, batch, autocast: bool = True) -> float:
+    """The training loss of `model` on `batch` with dropout off: eval mode, which is how every
+    library's dropout is switched off (module and functional alike), under the precision's
+    autocast (`autocast=False`: the model's forward brings its own), no gradients. The model is
+    left in the mode it was in."""
+    import contextlib
+
+    was_training = model.training
+    model.eval()
+    around = state.precision.autocast(state.device_type) if autocast else contextlib.nullcontext()
+    state.engine_state[HOOKS_PAUSED] = True  # not the first training forward the hooks wait for
+    try:
+        with torch.no_grad(), around:
+            return state.kind.loss(model, batch).float().item()
+    finally:
+        state.engine_state[HOOKS_PAUSED] = False
+        model.train(was_training)
+
+
+def stochastic_training_forward(state: CellState) -> bool:
+    """Whether the kind's training forward draws random numbers (dropout), as observed."""
+    from matrix.observation import observe
+
+    return observe(state.kind).stochastic_training_forward
 
 
 def record_library_steps(state: CellState, optimizer, library_steps: int) -> None:
@@ -304,14 +467,22 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
         state.metrics["cross_engine"] = {"torch_engine_error": signature_of("torch engine", exc).text}
         return
     tolerance = eval_loss_tolerance(state.cell.model, state.precision.compute_dtype)
-    key = "first_step_loss" if mode == "train" else "eval_loss"
+    key = {"train": "first_step_loss", "eval": "eval_loss", DROPOUT_OFF: "first_step_loss_dropout_off"}[mode]
+    # how both sides got the same random numbers (dropout)
+    random_numbers = {
+        "train": f"seeded with {FIRST_FORWARD_SEED} before the first forward",
+        "eval": None,  # eval mode draws none
+        DROPOUT_OFF: (
+            "none: dropout off (eval mode) on both sides, since a batch split across ranks draws other "
+            "dropout masks than the whole batch in one process"
+        ),
+    }[mode]
     state.metrics["cross_engine"] = {
         f"{key}": loss,
         f"torch_engine_{key}": reference,
         "spread_abs": abs(loss - reference),
         "tolerance": tolerance.as_dict(),
-        # how both sides got the same random numbers (dropout): in eval mode there are none
-        "random_numbers": f"seeded with {FIRST_FORWARD_SEED} before the first forward" if mode == "train" else None,
+        "random_numbers": random_numbers,
     }
     checks.check_engine_agreement(key.replace("_", " "), loss, reference, tolerance)
 
@@ -389,11 +560,45 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     if state.kind.variant != state.kind.grid_variant:
         # the bound was established on the grid's settings only: a variant (exploration) records
         # its fall unchecked (a drawn LoRA with rank 1 and hidden size 8 falls less in fp32)
-        state.metrics["loss_decrease"] = {**measured, "bound_relative": None}
+        state.metrics["loss_decrease"] = {**measured, "bound_relative": None, "judged_by": "unchecked: a variant"}
         return
-    bound = loss_decrease_bound(state.cell.model)
-    state.metrics["loss_decrease"] = {**measured, "bound_relative": bound.min_relative}
-    checks.check_loss_decreased(before, after, bound)
+    bound, judged_by = loss_fall_bound(state)
+    state.metrics["loss_decrease"] = {
+        **measured,
+        "bound_relative": None if bound is None else bound.min_relative,
+        "judged_by": judged_by,
+    }
+    if bound is None:
+        return
+    if is_fp32_twin(state.precision):
+        checks.check_fp32_learns(before, after, bound, state.learning_rate)
+    else:
+        checks.check_loss_decreased(before, after, bound)
+
+
+def is_fp32_twin(precision: Precision) -> bool:
+    """The precision every other one's loss fall is judged against: fp32 weights and compute."""
+    return precision.weights_dtype == torch.float32 and precision.compute_dtype == torch.float32
+
+
+def loss_fall_bound(state: CellState) -> tuple[LossDecrease | None, str]:
+    """How far the cell's training loss must fall, and why: fp32 by the kind's bound (does the
+    kind learn at its rate at all?); any other precision by LOSS_FALL_VS_FP32 of its fp32 twin's
+    fall, unchecked where the twin itself does not learn (the fp32 cells carry that finding)."""
+    absolute = loss_decrease_bound(state.cell.model)
+    if is_fp32_twin(state.precision):
+        return absolute, f"fp32: the kind's bound {absolute.min_relative:.2%}"
+    established = kind_learning_rate(state.kind)
+    twin = established.fp32_fall.relative
+    if twin < absolute.min_relative:
+        return None, (
+            f"unchecked: the fp32 twin does not learn at learning rate {established.value:g} "
+            f"({established.source}); the fp32 cells fail for it"
+        )
+    return LossDecrease(LOSS_FALL_VS_FP32 * twin), (
+        f"{LOSS_FALL_VS_FP32:g} of the fp32 twin's fall {twin:.2%} (torch engine, cpu, learning rate "
+        f"{established.value:g})"
+    )
 
 
 def check_reload(state: CellState, reloaded, evaluate=None, saved=None) -> None:

@@ -4,6 +4,14 @@ isolation between cells, and the recording of results where pytest's reports arr
 controller, when pytest-xdist runs workers), so a cell whose worker crashed is still in the
 report. Hooks and fixtures only: running a cell is matrix/execute.py, recording a run
 matrix/recording.py, reports matrix/results/.
+
+pytest loads it in every session of an environment that has the package, so it stays out of the
+way until the matrix is used: importing it imports pytest, the standard library and the
+matrix's torch-free modules only, and a session that selects none of the matrix's tests imports
+no torch and sees its environment untouched. The stack comes in when the matrix is first needed
+in a process (activate(): a matrix test is parametrized, a matrix option was given, or an xdist
+controller hears of cells), and the cells' environment variables (matrix/cell_environment.py)
+are set only while the matrix's tests are parametrized and run, then put back.
 """
 
 from __future__ import annotations
@@ -16,25 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-# Nothing is downloaded at run time: every model is built from a config in code. Offline
-# mode makes an accidental hub call fail loudly instead.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 import pytest
-import torch
 
-from matrix.devices.cuda import interpret_triton_without_cuda
-
-interpret_triton_without_cuda()  # before anything imports triton (transformers' models do)
-
-from matrix import catalogue as known_failures
-from matrix import environment, options
+from matrix import cell_environment, options
 from matrix.cell import AXES, Cell, cell_id_from_nodeid
-from matrix.devices import DEVICES, resolve_index
-from matrix.engines import ENGINES
-from matrix.models import MODELS
-from matrix.precisions import PRECISIONS, table
 from matrix.recording import RunInUse, RunRecorder, started_at
 from matrix.results.records import (
     CellRecord,
@@ -45,7 +38,6 @@ from matrix.results.records import (
 )
 from matrix.results.run_directory import reports_root
 from matrix.runner import COMMAND_VARIABLE
-from matrix.selection import axis_values, cell_from_id, enumerate_cells, parse_selection
 from matrix.shards import parse_shard, shard_cells
 
 RESULT_PROPERTY = "matrix_result"
@@ -53,8 +45,9 @@ EXPLORATION_PROPERTY = "matrix_exploration"
 AXES_PROPERTY = "matrix_cell"
 EXPLORE_TIMEOUT_MARGIN_S = 600
 
+active_key = pytest.StashKey[bool]()  # the matrix's side of the session is set up in this process
 selection_key = pytest.StashKey[dict]()
-catalogue_key = pytest.StashKey[known_failures.Catalogue]()
+catalogue_key = pytest.StashKey["Catalogue"]()
 installed_key = pytest.StashKey[dict]()
 recorder_key = pytest.StashKey["Recorder"]()
 explore_clock_key = pytest.StashKey["ExploreClock"]()
@@ -62,6 +55,7 @@ device_index_key = pytest.StashKey[int]()
 shard_key = pytest.StashKey["tuple[int, int] | None"]()
 values_key = pytest.StashKey[dict]()  # the checked values of options that have a check
 restart_key = pytest.StashKey[str]()  # why this process must stop and the run resume in a new one
+deferred_error_key = pytest.StashKey[pytest.UsageError]()  # bad input found while collecting
 
 
 def pytest_addoption(parser):
@@ -74,6 +68,7 @@ def is_worker(config) -> bool:
 
 
 def device_index(config) -> int:
+    activate(config)
     return config.stash[device_index_key]
 
 
@@ -83,49 +78,86 @@ def option(config, dest: str):
 
 
 def pytest_configure(config):
+    """Only what needs no torch, unless the session was given matrix options: then it is a
+    matrix run, and bad input stops it here, before anything runs (in an xdist controller too)."""
     config.addinivalue_line("markers", "cell: a matrix cell (model x precision x mode x device x engine)")
-    if is_worker(config):
-        # N xdist workers share the cores: torch's default of one thread per core in each
-        # of them oversubscribes the machine (measured 2.4x slower with 2 workers on 2 cores).
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
         config.stash[values_key] = {
             o.dest: options.checked(o.dest, config.getoption(o.dest)) for o in options.OPTIONS if o.check
         }
-        config.stash[selection_key] = {axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES}
         config.stash[shard_key] = parse_shard(config.getoption("matrix_shard"))
-        worker_id = config.workerinput["workerid"] if is_worker(config) else None
-        visible = max((d.count() for d in DEVICES.values() if d.indexed), default=0)
-        config.stash[device_index_key] = resolve_index(config.getoption("matrix_cuda_device"), worker_id, visible)
-    except ValueError as error:  # SelectionError, OptionError, a bad --cuda-device
+    except ValueError as error:  # SelectionError, OptionError
         raise pytest.UsageError(str(error)) from None
-    try:
-        config.stash[catalogue_key] = known_failures.assemble(
-            tuple(Path(p) for p in config.getoption("matrix_catalogue")),
-            builtin=not config.getoption("matrix_no_builtin_catalogue"),
-        )
-    except known_failures.CatalogueError as error:
-        raise pytest.UsageError(f"--catalogue: {error}") from None
-    config.stash[installed_key] = environment.package_versions()
-    from matrix.engines import distributed
-
-    distributed.WORLD_SIZE = option(config, "matrix_world_size")
+    if options.given(config.getoption):
+        activate(config)
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = reports_root(config.getoption("matrix_report_dir"), config.invocation_params.dir)
         config.stash[recorder_key] = Recorder(config, root, config.getoption("matrix_run_id"))
         config.pluginmanager.register(config.stash[recorder_key], "matrix-recorder")
 
 
+def activate(config) -> None:
+    """The matrix's side of the session, set up once per process when it is first needed: the
+    registries (torch and the matrix's axes), the axis selection, the GPU index, the catalogue
+    and the installed versions. pytest.UsageError for bad input."""
+    if config.stash.get(active_key, False):
+        return
+    with cell_environment.applied():  # the stack comes in here, triton perhaps with it
+        from matrix import catalogue, environment
+        from matrix.devices import DEVICES, resolve_index
+        from matrix.engines import distributed
+        from matrix.selection import parse_selection
+
+        share_the_cores(config)
+        try:
+            selection = {axis: parse_selection(axis, config.getoption(f"matrix_{axis}")) for axis in AXES}
+            worker_id = config.workerinput["workerid"] if is_worker(config) else None
+            visible = max((d.count() for d in DEVICES.values() if d.indexed), default=0)
+            index = resolve_index(config.getoption("matrix_cuda_device"), worker_id, visible)
+        except ValueError as error:  # SelectionError, a bad --cuda-device
+            raise pytest.UsageError(str(error)) from None
+        try:
+            known = catalogue.assemble(
+                tuple(Path(p) for p in config.getoption("matrix_catalogue")),
+                builtin=not config.getoption("matrix_no_builtin_catalogue"),
+            )
+        except catalogue.CatalogueError as error:
+            raise pytest.UsageError(f"--catalogue: {error}") from None
+        config.stash[selection_key], config.stash[device_index_key] = selection, index
+        config.stash[catalogue_key] = known
+        config.stash[installed_key] = environment.package_versions()
+        distributed.WORLD_SIZE = option(config, "matrix_world_size")
+    config.stash[active_key] = True
+
+
+def share_the_cores(config) -> None:
+    """N xdist workers share the cores: torch's default of one thread per core in each of them
+    oversubscribes the machine (measured 2.4x slower with 2 workers on 2 cores). Imports torch:
+    called where the matrix is used (and by the harness's own tests, tests/conftest.py)."""
+    if is_worker(config):
+        import torch
+
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def explorable(cell: Cell) -> bool:
     """fp32 is the reference every variant is compared with; a precision that fails its own
     policy check fails in 'configure' whatever the variant."""
+    from matrix.models import MODELS
+    from matrix.precisions import PRECISIONS
+
     return (
         cell.precision != "fp32" and not PRECISIONS[cell.precision].contradictions() and MODELS[cell.model].explorable
     )
 
 
 def skip_reason(cell: Cell, index: int) -> str | None:
+    from matrix.devices import DEVICES
+    from matrix.engines import ENGINES
+    from matrix.models import MODELS
+    from matrix.precisions import PRECISIONS
+
     precision, engine = PRECISIONS[cell.precision], ENGINES[cell.engine]
     return (
         engine.unsupported_reason(precision)
@@ -143,6 +175,9 @@ def cell_marks(cell: Cell, index: int) -> list:
 
 def selected_cells(config) -> list[Cell]:
     """The cells of the axis selection, then of this --shard."""
+    from matrix.selection import enumerate_cells
+
+    activate(config)
     return shard_cells(enumerate_cells(config.stash[selection_key]), config.stash[shard_key])
 
 
@@ -150,14 +185,22 @@ def pytest_generate_tests(metafunc):
     """Only the matrix's own tests (matrix/pytest_cases.py, wherever a test module imports
     them) get the cells: another test taking a `cell` argument is left alone."""
     role = getattr(metafunc.function, "matrix_test", None)  # set in matrix/pytest_cases.py
-    if role == "explore":
-        index = device_index(metafunc.config)
-        targets = [c for c in selected_cells(metafunc.config) if explorable(c)]
-        metafunc.parametrize("explore_target", [pytest.param(c, id=c.id, marks=cell_marks(c, index)) for c in targets])
-    elif role == "cell":
-        index = device_index(metafunc.config)
-        params = [pytest.param(c, id=c.id, marks=cell_marks(c, index)) for c in selected_cells(metafunc.config)]
-        metafunc.parametrize("cell", params)
+    if role not in ("cell", "explore"):
+        return
+    try:
+        activate(metafunc.config)
+    except pytest.UsageError as error:  # raised here it would be one module's collection error
+        metafunc.config.stash[deferred_error_key] = error
+        return
+    index = device_index(metafunc.config)
+    with cell_environment.applied():  # skip reasons see what the cells will (Triton's interpreter)
+        if role == "explore":
+            targets = [c for c in selected_cells(metafunc.config) if explorable(c)]
+            params = [pytest.param(c, id=c.id, marks=cell_marks(c, index)) for c in targets]
+            metafunc.parametrize("explore_target", params)
+        else:
+            params = [pytest.param(c, id=c.id, marks=cell_marks(c, index)) for c in selected_cells(metafunc.config)]
+            metafunc.parametrize("cell", params)
 
 
 def is_cell_item(item) -> bool:
@@ -179,7 +222,19 @@ def matrix_item_id(item) -> str | None:
     return item.callspec.params["explore_target"].id if is_exploration_item(item) else None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The cells' environment variables while a matrix test runs (setup to teardown), and
+    put back before the next test, which may be a project's own."""
+    if matrix_item_id(item) is None:
+        return (yield)
+    with cell_environment.applied():
+        return (yield)
+
+
 def pytest_collection_modifyitems(config, items):
+    if deferred_error_key in config.stash:  # bad input: one line, exit status 4, before anything runs
+        raise config.stash[deferred_error_key]
     done = resumed_done(config)  # in each process that collects: the main one, or xdist's workers
     dropped = [
         item
@@ -232,12 +287,16 @@ class ExploreClock:
 
 def deterministic_algorithms() -> tuple[bool, bool]:
     """torch's deterministic-algorithms mode: (enabled, warn only)."""
+    import torch
+
     return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 @pytest.fixture
 def isolated_torch_state():
     """A cell starts clean and leaves nothing behind (the matrix's tests ask for it)."""
+    import torch
+
     saved = (
         torch.get_default_dtype(),
         torch.is_grad_enabled(),
@@ -260,6 +319,8 @@ def isolated_torch_state():
 def rerun_command(config, nodeid: str, cell: Cell) -> str:
     """The command that re-runs just this cell: its node id, the run's -p plugins (a plugin's
     model kind exists only with them), and the device index it ran on."""
+    from matrix.devices import DEVICES
+
     command = ["pytest", nodeid, *options.plugin_arguments(list(config.invocation_params.args))]
     if DEVICES[cell.device].indexed and device_index(config):
         command.append(f"--cuda-device={device_index(config)}")
@@ -291,6 +352,9 @@ class Recorder:
 
     def __init__(self, config, root: Path, run_id: str | None) -> None:
         self.config = config
+        # the run's directory is claimed now, before any cell runs; a session that runs no cell
+        # leaves neither it nor a reports/ made for it behind (pytest_unconfigure)
+        self.root, self.root_existed = root, root.exists()
         try:
             self.run = RunRecorder(root, run_id, resume=config.getoption("matrix_resume"))
         except ValueError as error:  # a bad or taken --run-id, or nothing to resume
@@ -307,6 +371,8 @@ class Recorder:
         if self.previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self.previous_sigterm)
         self.run.close()
+        if not self.root_existed and self.root.is_dir() and not any(self.root.iterdir()):
+            self.root.rmdir()
 
     def terminate(self, signum, frame):
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # pytest then finishes the session
@@ -330,11 +396,18 @@ class Recorder:
             self.start()
 
     def start(self) -> None:
+        from matrix import environment
+        from matrix.precisions import table
+
+        activate(self.config)  # an xdist controller collects nothing: the cells' side starts here
         self.run.start(
             self.selected, self.run_header(), lambda: environment.capture(device_index(self.config)), table()
         )
 
     def run_header(self) -> dict:
+        from matrix import environment
+        from matrix.selection import axis_values
+
         config = self.config
         return {
             "id": self.run.run_id,
@@ -354,9 +427,17 @@ class Recorder:
     def cell_of(self, nodeid: str) -> Cell | None:
         cell = self.nodeids.get(nodeid)
         if cell is None:  # under xdist the controller has no items
-            cell_id = cell_id_from_nodeid(nodeid)
-            cell = cell_from_id(cell_id) if cell_id else None
+            cell = self.named_cell(cell_id_from_nodeid(nodeid))
         return cell
+
+    def named_cell(self, cell_id: str | None) -> Cell | None:
+        """The cell of an id in a node id; None where the matrix is not in use in this session
+        (a project's own test that happens to be called test_cell imports no torch)."""
+        if cell_id is None or not self.config.stash.get(active_key, False):
+            return None
+        from matrix.selection import cell_from_id
+
+        return cell_from_id(cell_id)
 
     def pytest_runtest_logstart(self, nodeid, location):
         cell = self.cell_of(nodeid) if "::test_cell[" in nodeid else None
@@ -371,7 +452,7 @@ class Recorder:
             return
         target_id = cell_id_from_nodeid(report.nodeid, "test_explore")
         if target_id is not None:
-            cell = cell_from_id(target_id)
+            cell = self.named_cell(target_id)
             if report.skipped and cell is not None:
                 self.run.store_exploration(skipped_exploration_record(cell, skip_reason_of(report)))
             return
@@ -379,6 +460,8 @@ class Recorder:
         cell = Cell(**axes) if axes is not None else self.cell_of(report.nodeid)
         if cell is None:
             return
+        from matrix.devices import DEVICES
+
         records = self.run.records
         common = {
             "rerun": rerun_command(self.config, report.nodeid, cell),

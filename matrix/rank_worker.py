@@ -76,12 +76,10 @@ def main() -> None:
     context = RankContext(
         int(os.environ["MATRIX_RANK"]), int(os.environ["MATRIX_WORLD_SIZE"]), os.environ["MATRIX_RANK_DEVICE"]
     )
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        from matrix.devices.cuda import interpret_triton_without_cuda
+        from matrix import cell_environment
 
-        interpret_triton_without_cuda()
+        cell_environment.apply()  # a rank runs nothing but cells; before anything imports triton
         replies.send(("ready", join_group(context)))
     except Exception as exc:  # answered: the driver reports it as the group's start failure
         replies.send(("error", describe(exc)))

@@ -20,7 +20,7 @@ import torch
 from matrix.environment import package_versions
 from matrix.models import MODELS, ModelKind
 from matrix.packages import PINNED_IN_REPRO
-from matrix.phases import LEARNING_RATE, MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS
+from matrix.phases import MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS, kind_learning_rate
 from matrix.precisions import PRECISIONS
 from matrix.selection import cell_from_id
 from matrix.variants import InvalidVariant
@@ -139,6 +139,13 @@ if __name__ == "__main__":
 """
 
 
+def learning_rate_of(kind, record: dict | None) -> float:
+    """The rate the cell trained at: as its run recorded it, else the kind's (declared or
+    calibrated, matrix/learning_rate.py)."""
+    recorded = ((record or {}).get("metrics") or {}).get("learning_rate")
+    return recorded["value"] if recorded else kind_learning_rate(kind).value
+
+
 def generate(cell_id: str, run: Path | None = None, variant: str | None = None) -> str:
     """The script for a cell; `variant` (JSON, as an exploration records it) changes its settings."""
     cell = cell_from_id(cell_id)
@@ -218,7 +225,7 @@ import torch
         scaler=precision.grad_scaler,
         weights_from=precision.weights_from,
         device=cell.device,
-        lr=LEARNING_RATE,
+        lr=learning_rate_of(kind, record),
         steps=TRAIN_STEPS,
         attempts=MAX_STEP_ATTEMPTS,
     )

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from matrix.options import CELL_TIMEOUT_S, OptionError, joined_values, runner_options
+from matrix.options import BY_FLAG, CELL_TIMEOUT_S, OPTIONS, OptionError, add_arguments, joined_values, runner_options
 from matrix.results import journal, run_directory
 
 COMMAND_VARIABLE = "MATRIX_RUN_COMMAND"  # the command the user typed, recorded in the report
@@ -223,7 +223,60 @@ class Supervisor:
         return text
 
 
+# The matrix's options this supervisor acts on itself (all of them go on to pytest too)
+SUPERVISOR_OPTIONS = ("--cell-timeout", "--run-id", "--report-dir")
+REFUSED_OPTIONS = ("--no-report",)  # check_input says why
+HELP_DESCRIPTION = """\
+The matrix in one pytest process that survives crashes and hangs: a cell that kills the
+process, or runs past --cell-timeout where pytest-timeout cannot stop it, is recorded as
+failed with the stacks, and pytest starts again on the same run, skipping the cells already
+recorded. Ctrl-C or SIGTERM writes the cells done so far as the report, marked incomplete.
+Bad input is refused in one line before anything runs."""
+HELP_EPILOG = """\
+Any other argument goes to pytest: test paths (default: pytest's testpaths), -k EXPR,
+-n auto (pytest-xdist), --lf, ...; `python -m pytest --help` lists pytest's own options, and the
+matrix's under 'mixed-precision matrix'. --no-report is refused: the run needs its journal.
+
+exit status: pytest's (1 when a cell failed, crashed or hung); 2 for bad input; 3 when the run
+could not go on (the reason is printed); 128 + N when ended by signal N."""
+
+
+def help_parser() -> argparse.ArgumentParser:
+    """What `python -m matrix run --help` prints: this command's options, then the matrix's
+    pytest options from the same table the plugin registers (matrix/options.py); no torch."""
+    parser = argparse.ArgumentParser(
+        prog="python -m matrix run",
+        usage="%(prog)s [-h] [options] [pytest args]",
+        description=HELP_DESCRIPTION,
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    own = parser.add_argument_group("options python -m matrix run acts on (pytest gets them too)")
+    add_arguments(own.add_argument, tuple(BY_FLAG[flag] for flag in SUPERVISOR_OPTIONS))
+    own.add_argument(
+        "-p",
+        metavar="MODULE",
+        action="append",
+        help="a plugin module for pytest to load (a model kind of your own, say), compiled here first so a syntax "
+        "error is one line; every cell's re-run command carries it; repeatable",
+    )
+    matrix = parser.add_argument_group("the matrix's pytest options")
+    skipped = {*SUPERVISOR_OPTIONS, *REFUSED_OPTIONS}
+    add_arguments(matrix.add_argument, tuple(o for o in OPTIONS if o.flag not in skipped and not o.hidden))
+    return parser
+
+
+def wants_help(argv: list[str]) -> bool:
+    """-h or --help before any `--`: this command's help (pytest would print its own, then the
+    supervisor would find no report)."""
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    return "-h" in head or "--help" in head
+
+
 def main(argv: list[str]) -> int:
+    if wants_help(argv):
+        help_parser().print_help()
+        return 0
     try:
         options = runner_options(argv)
         check_input(options)

@@ -15,9 +15,14 @@ from matrix.precisions import PRECISIONS
 
 
 def model_traits(model: str) -> frozenset[str]:
-    """The traits a registered model kind declares (matrix/models/base.py TRAITS); none for a
+    """The traits of a registered model kind (matrix/models/base.py TRAITS): observed on its
+    built model, or declared where the kind declares them (matrix/observation.py); none for a
     model name no kind is registered under (a report from another project, say)."""
-    return MODELS[model].traits if model in MODELS else frozenset()
+    if model not in MODELS:
+        return frozenset()
+    from matrix.phases import kind_traits  # builds the model once per process: torch
+
+    return kind_traits(MODELS[model])
 
 
 def trait_names() -> tuple[str, ...]:

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,14 @@ settings.register_profile(
 )
 settings.register_profile("explore", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    """The harness's tests run cells in process on xdist workers: they share the cores as the
+    matrix's own workers do (the plugin does this only where a matrix test is collected)."""
+    from matrix.plugin import share_the_cores
+
+    share_the_cores(config)
 
 
 def fresh_pytest_process(*args: str, report_dir: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -59,3 +68,45 @@ def registered():
     yield register
     for registry, name in added:
         registry.unregister(name)
+
+
+def _run_users_grid(plugin: str, model: str, report_dir: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), str(ROOT)])
+    command = [sys.executable, "-m", "matrix", "run", "cases", "-p", plugin, "--model", model, "--device", "cpu"]
+    done = subprocess.run(
+        [*command, "--report-dir", str(report_dir), "--run-id", "users"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    results = report_dir / "users" / "results.json"
+    assert results.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(results.read_text())
+
+
+def _check_no_harness_failure(done: subprocess.CompletedProcess, document: dict, report_dir: Path) -> dict:
+    """Exit 0, no new failure, every skip naming its capability; the cells by id."""
+    cells = {c["id"]: c for c in document["cells"]}
+    assert done.returncode == 0, (report_dir / "users" / "summary.md").read_text()
+    assert [i for i, c in cells.items() if c["outcome"] == "failed"] == []
+    assert len(cells) == 10 * 2 * len(document["run"]["selection"]["engine"])  # the whole CPU grid
+    for cell in cells.values():
+        if cell["outcome"] == "skipped":
+            assert cell["skip_reason"].startswith("Requires: ["), cell
+    return cells
+
+
+@pytest.fixture(scope="session")
+def users_grid():
+    """users_grid(plugin, model, report_dir): a user's kind from tests/plugins through the whole CPU
+    matrix with `python -m matrix run`, checked for exit 0, no new failure and skips that name
+    their capability; its cells by id."""
+
+    def run(plugin: str, model: str, report_dir: Path) -> dict:
+        done, document = _run_users_grid(plugin, model, report_dir)
+        return _check_no_harness_failure(done, document, report_dir)
+
+    return run

@@ -188,7 +188,7 @@ def test_a_trait_selector_matches_the_kinds_that_declare_the_trait():
     assert entry.selects(cell, traits=frozenset({"full-weights"}))
     assert not entry.selects(cell, traits=frozenset({"adapters"}))
     assert not entry.selects(cell)  # no kind is registered under that name: it has no traits
-    assert entry.selects(Cell("tiny-llama", "bf16-mixed", "eval", "cpu", "torch"))  # the built-in kinds declare theirs
+    assert entry.selects(Cell("tiny-llama", "bf16-mixed", "eval", "cpu", "torch"))  # observed on the built model
     assert not entry.selects(Cell("lora", "bf16-mixed", "eval", "cpu", "torch"))
 
 

@@ -218,3 +218,39 @@ def test_diff_properties(first, second):
         assert second[name][0] == "failed" and first.get(name, ("absent",))[0] not in ("failed", "known")
     for name in cells_in(forward, "fixed"):
         assert first[name][0] in ("failed", "known") and second[name][0] in ("passed", "fixed")
+
+
+def older_schema(document: dict, version: int) -> dict:
+    """`document` as a run of an earlier schema wrote it: without the fields added since."""
+    added = {"traceback"} | ({"cuda_index", "device_name", "rerun"} if version < 4 else set())
+    cells = [{k: v for k, v in cell.items() if k not in added} for cell in document["cells"]]
+    return {**document, "schema_version": version, "cells": cells}
+
+
+def test_older_results_json_without_tracebacks_is_still_read_by_diff_and_merge(tmp_path, capsys):
+    from matrix.__main__ import main
+    from matrix.results.files import SCHEMA_FILE, load
+    from matrix.results.merge import merge
+
+    (tmp_path / "new.json").write_text(json.dumps(NEW))
+    for version in (3, 4):
+        older = older_schema(OLD, version)
+        (tmp_path / f"v{version}.json").write_text(json.dumps(older))
+        assert main(["diff", str(tmp_path / f"v{version}.json"), str(tmp_path / "new.json")]) == 1  # read; it gates
+        assert "**Gate: FAIL** (2 new)" in capsys.readouterr().out  # a, f: as from the current schema
+
+        newer = document(cell("z", "failed", "mat1 and mat2 must have the same dtype"), run_id=f"newer-{version}")
+        newer["cells"][0]["traceback"] = "Traceback (most recent call last):\n  ...\nRuntimeError: mat1 and mat2\n"
+        paths = []
+        for name, doc in (("older", older), ("newer", newer)):
+            directory = tmp_path / f"merge-{version}" / name
+            directory.mkdir(parents=True)
+            (directory / "results.json").write_text(json.dumps(doc))
+            paths.append(directory)
+        assert "traceback" not in load(paths[0])[0]["cells"][1]
+        merged = merge(paths, run_id=f"merged-{version}")
+        required = json.loads(SCHEMA_FILE.read_text())["$defs"]["cell"]["required"]
+        assert all(set(required) <= set(record) for record in merged["cells"])  # each a cell of the current schema
+        tracebacks = {c["model"]: c["traceback"] for c in merged["cells"]}
+        assert tracebacks.pop("z") == newer["cells"][0]["traceback"]
+        assert set(tracebacks.values()) == {None} and len(tracebacks) == len(OLD["cells"])  # the older run's: none

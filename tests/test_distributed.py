@@ -110,6 +110,25 @@ def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine,
     assert result.metrics["distributed"]["backend"] == "gloo"
 
 
+def test_a_cell_failing_in_a_rank_records_the_ranks_own_traceback(tmp_path):
+    """ddp registers bf16_compress_hook in each rank, and torch refuses it without NCCL (the
+    catalogue's ddp-bf16-compress-hook-needs-nccl): the record's traceback is the driver's,
+    then the rank's own down to where torch raised."""
+    from matrix.catalogue import Catalogue
+    from matrix.execute import run_and_record
+
+    cell = Cell("tiny-transformer", "bf16-mixed-bf16-reduce", "eval", "cpu", "ddp")
+    done = run_and_record(cell, tmp_path, Catalogue(), {}, timeout_s=120)  # no entry: the failure as it is
+    assert done.outcome == "failed" and done.record.phase == "evaluate", done.record.message
+    driver, rank = done.record.traceback.split("\nraised in the rank as:\n")
+    assert "RankFailure: rank 0 raised TypeError" in driver.splitlines()[-1]
+    frames = [line.strip() for line in rank.splitlines() if line.strip().startswith('File "')]
+    assert frames[0].endswith("in main") and "rank_worker.py" in frames[0]  # the rank's outermost frame
+    assert any(frame.endswith("in register_comm_hook") for frame in frames)  # torch, called by the engine in the rank
+    assert frames[-1].endswith(f"in {done.record.signature['origin'].split(':')[1]}")  # the innermost: the origin
+    assert rank.rstrip("\n").splitlines()[-1].startswith("TypeError: BF16 all reduce communication hook required")
+
+
 @pytest.mark.parametrize(
     ("precision", "fsdp2", "ddp"),
     [

@@ -1,11 +1,17 @@
 """The whole path, cell spec -> run -> outcome -> signature -> record -> report, driven by
 model kinds defined outside the matrix package (tests/plugins/broken_models.py)."""
 
+import html
 import json
+import re
+import sys
+from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
 PLUGIN = ("-p", "broken_models", "--engine", "torch")
+PLUGINS = Path(__file__).resolve().parent / "plugins"
 
 
 def load_results(tmp_path):
@@ -94,3 +100,66 @@ def test_a_crashed_worker_still_leaves_its_cell_in_the_report(run_pytest, tmp_pa
     assert "crashed" in crashed["signature"]["message"]
     # the other cell still ran, on a replacement worker
     assert cells["broken-matmul-fp32-train-cpu-torch"]["outcome"] == "passed"
+
+
+# The innermost frame of the broken cell's real traceback: the Function's backward, in the
+# plugin module, where the half gradient meets the fp32 weight.
+INNERMOST_FRAME = re.compile(r'File "[^"]*broken_models\.py", line \d+, in backward\n')
+BROKEN_CELL = "broken-matmul-bf16-mixed-train-cpu-torch"
+
+
+def assert_innermost(text: str) -> None:
+    """`text` holds the traceback's innermost frame, its source line, and the exception last."""
+    match = INNERMOST_FRAME.search(text)
+    assert match, text[-3000:]
+    after = text[match.end() :].splitlines()
+    assert "grad_output @ weight" in after[0]
+    assert any(line.startswith("RuntimeError: expected m1 and m2 to have the same dtype") for line in after[1:4])
+
+
+def test_a_failed_cells_traceback_is_in_every_file_of_the_report(broken_run):
+    _, tmp_path = broken_run
+    directory = tmp_path / "reports" / "latest"
+    cells = {c["id"]: c for c in load_results(tmp_path)["cells"]}
+    traceback = cells[BROKEN_CELL]["traceback"]
+    assert traceback.startswith("Traceback (most recent call last):\n") and "in run_cell" in traceback.splitlines()[1]
+    assert_innermost(traceback)
+    assert all(c["traceback"] is None for c in cells.values() if c["outcome"] == "passed")
+
+    failure = ElementTree.parse(directory / "junit.xml").getroot().find(f"testcase[@name='{BROKEN_CELL}']/failure")
+    assert failure.text.startswith(cells[BROKEN_CELL]["message"] + "\n\nTraceback (most recent call last):\n")
+    assert_innermost(failure.text)
+
+    page = (directory / "index.html").read_text(encoding="utf-8")
+    detail = page.split(f'<section class="detail" id="cell-{BROKEN_CELL}">')[1].split("</section>")[0]
+    folded = detail.split('<details class="traceback">')[1].split("</details>")[0]
+    assert_innermost(html.unescape(folded.split("<pre>")[1].split("</pre>")[0]))
+
+    summary = (directory / "summary.md").read_text()
+    new = summary.split("## New failures")[1].split("\n## ")[0]
+    assert new.count("<details><summary>traceback</summary>") == 1
+    fenced = new.split("<details><summary>traceback</summary>\n\n  ```\n")[1].split("\n  ```\n")[0]
+    assert_innermost("\n".join(line.removeprefix("  ") for line in fenced.splitlines()) + "\n")
+
+
+def test_replay_prints_the_signature_then_the_traceback(broken_run, monkeypatch, capsys, isolated_torch_state):
+    """python -m matrix replay, in this process: -p imports the plugin module as the CLI would."""
+    from matrix.__main__ import main
+    from matrix.models import MODELS
+
+    signature = next(c for c in load_results(broken_run[1])["cells"] if c["id"] == BROKEN_CELL)["signature"]
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    loaded = "broken_models" in sys.modules
+    try:
+        assert main(["replay", "-p", "broken_models", BROKEN_CELL]) == 1
+    finally:
+        if not loaded:  # leave the registry as this process had it: the plugin's kinds exist only with -p
+            for name in ("broken-matmul", "crash-abort"):
+                MODELS.unregister(name)
+            sys.modules.pop("broken_models", None)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == f"{signature['id']} {signature['text']}"
+    assert lines[1] == f"{BROKEN_CELL}: failed in train_steps"
+    assert out.index("Traceback (most recent call last):") > out.index(lines[1])
+    assert_innermost(out)

@@ -77,6 +77,12 @@ ENTRY = {
 }
 KNOWN_SIG = Signature("evaluate", "RuntimeError", "expected scalar type Float but found BFloat16", "torch.nn:forward")
 NEW_SIG = Signature("evaluate", "ValueError", "loss not finite", "matrix.checks:check_finite")
+NEW_TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/work/main/matrix/checks.py", line 40, in check_finite\n'
+    '    raise ValueError(f"loss not finite <{loss}>")\n'
+    "ValueError: loss not finite\n"
+)
 KNOWN_CELL = "tiny-transformer-bf16-mixed-eval-cpu-torch"
 NEW_CELL = "tiny-transformer-bf16-mixed-eval-cpu-accelerate"
 FIXED_CELL = "tiny-llama-bf16-mixed-train-cpu-accelerate"
@@ -110,6 +116,7 @@ def records() -> list[dict]:
                     elif cell.id == NEW_CELL:
                         record.update(outcome="failed", phase="evaluate", signature=NEW_SIG.as_dict())
                         record.update(message="ValueError: loss not finite", rerun="pytest -k custom-rerun")
+                        record.update(traceback=NEW_TRACEBACK)
                     elif cell.id == FIXED_CELL:
                         record.update(outcome="fixed", known_failure=dict(ENTRY))
                     out.append(record)
@@ -250,6 +257,9 @@ def test_every_cell_has_a_details_panel_with_signature_entry_metrics_and_rerun()
     new = detail_rows(dom, NEW_CELL)
     assert NEW_SIG.id in new["signature"].text() and NEW_SIG.text in new["signature"].text()
     assert new["message"].find("pre").text() == "ValueError: loss not finite"
+    folded = new["traceback"].find("details")  # folded: a click opens it
+    assert folded.child("summary").text() == "4 lines" and folded.child("pre").text() == NEW_TRACEBACK
+    assert "traceback" not in detail_rows(dom, PASSED_CELL)
     assert new["re-run"].text() == "pytest -k custom-rerun"  # the record's own command wins
     known = detail_rows(dom, KNOWN_CELL)
     assert known["outcome"].text() == "known" and known["phase"].text() == "evaluate"
@@ -332,6 +342,7 @@ def hostile_document(text: str, metrics: dict) -> dict:
     doc = document()
     cells = {cell["id"]: cell for cell in doc["cells"]}
     cells[NEW_CELL]["message"] = text
+    cells[NEW_CELL]["traceback"] = text
     cells[NEW_CELL]["signature"]["text"] = text
     cells[NEW_CELL]["rerun"] = text
     cells[SKIPPED_CELL]["skip_reason"] = text
@@ -354,6 +365,7 @@ def test_document_text_never_becomes_markup(text, metrics):
     dom = builder.root
     new = detail_rows(dom, NEW_CELL)
     assert new["message"].find("pre").text() == text
+    assert new["traceback"].find("pre").text() == text
     assert new["re-run"].text() == text
     assert text in new["signature"].text()
     assert text in dom.find("td", data_cell=NEW_CELL).attrs["title"]

@@ -149,7 +149,9 @@ def test_a_cell_runs_and_a_run_is_recorded_without_pytest():
 LIBRARIES = ("transformers", "peft", "accelerate", "lightning", "liger_kernel")
 LAZY = """
 import sys
-import matrix.plugin, matrix.models, matrix.engines
+import matrix.plugin
+loaded_by_the_plugin = sorted(name for name in ("torch", *{libraries!r}) if name in sys.modules)
+import matrix.models, matrix.engines
 from matrix.execute import run_cell
 from matrix.cell import Cell
 loaded_first = sorted(name for name in {libraries!r} if name in sys.modules)
@@ -160,16 +162,59 @@ loaded_after_torch_cell = sorted(name for name in {libraries!r} if name in sys.m
 with tempfile.TemporaryDirectory() as workdir:
     llama = run_cell(Cell("lora", "fp32", "eval", "cpu", "accelerate"), pathlib.Path(workdir))
 loaded_last = sorted(n for n in {libraries!r} if n in sys.modules)
-print(loaded_first, loaded_after_torch_cell, result.outcome, llama.outcome, loaded_last)
+print(loaded_by_the_plugin, loaded_first, loaded_after_torch_cell, result.outcome, llama.outcome, loaded_last)
 """
 
 
-def test_the_plugin_imports_no_model_or_engine_library_until_a_cell_needs_it():
-    """Importing transformers' model classes, peft and Lightning costs seconds of CPU; a process
-    that collects, refuses its input or runs only torch-engine cells of torch's own models pays
-    none of it. A cell that needs a library still gets it."""
+def test_the_plugin_imports_no_torch_and_the_kinds_and_engines_no_library_until_a_cell_needs_it():
+    """pytest loads the plugin in every session of an environment that has the package: importing
+    it imports no torch (a project's own tests that never select a cell pay nothing). Importing
+    transformers' model classes, peft and Lightning costs seconds of CPU; a process that
+    collects, refuses its input or runs only torch-engine cells of torch's own models pays none
+    of it. A cell that needs a library still gets it."""
     script = LAZY.format(libraries=LIBRARIES)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.strip().splitlines()[-1]
-    assert line.startswith("[] [] passed passed ['accelerate', 'peft', 'transformers']"), line
+    assert line.startswith("[] [] [] passed passed ['accelerate', 'peft', 'transformers']"), line
+
+
+PLUGIN_WITHOUT_THE_STACK = textwrap.dedent(
+    """
+    import json, os, sys
+
+    class Blocked:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {stack}:
+                raise ImportError(f"blocked: {{name}}")
+
+    sys.meta_path.insert(0, Blocked())
+    environ = dict(os.environ)
+    import matrix.plugin
+
+    added = []
+
+    class Group:
+        def addoption(self, flag, **kwargs):
+            added.append(flag)
+
+    class Parser:
+        def getgroup(self, name, description=""):
+            return Group()
+
+    matrix.plugin.pytest_addoption(Parser())
+    print(json.dumps({{"options": added, "environ_untouched": dict(os.environ) == environ}}))
+    """
+)
+
+
+def test_the_plugin_imports_and_adds_its_options_with_the_stack_blocked():
+    """What pytest does with the plugin in any session, before a matrix test is collected."""
+    from matrix import options
+
+    script = PLUGIN_WITHOUT_THE_STACK.format(stack=sorted(STACK))
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["options"] == [option.flag for option in options.OPTIONS] and "--cell-timeout" in found["options"]
+    assert found["environ_untouched"] is True

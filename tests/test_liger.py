@@ -17,7 +17,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from matrix import stacks
+from matrix import cell_environment, stacks
 from matrix.cell import Cell
 from matrix.devices.cuda import triton_interpreted
 from matrix.execute import run_cell
@@ -33,8 +33,10 @@ INSTALLED = not missing_packages()
 needs_liger = pytest.mark.skipif(
     not INSTALLED, reason=f"Requires: [{', '.join(REQUIRED.values())}] (nox -s liger installs them)"
 )
+with cell_environment.applied():
+    INTERPRETED = triton_interpreted()  # as a cell sees it: set where no GPU is visible
 needs_interpreter = pytest.mark.skipif(
-    not triton_interpreted(),
+    not INTERPRETED,
     reason="Requires: [Triton's interpreter] (TRITON_INTERPRET=1; set where no GPU is visible)",
 )
 
@@ -46,6 +48,15 @@ GPU_QUERY_FAILS = SpecifierSet("<0.4.0")  # dtype from torch.is_autocast_enabled
 
 def liger_version() -> Version:
     return Version(importlib.metadata.version("liger-kernel"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def as_in_a_cell():
+    """These tests run Liger outside the matrix's cells, so they ask for the variables a cell runs
+    under themselves (Triton's interpreter without a GPU), from before the first of them imports
+    triton until the last is done (the plugin sets them only around the matrix's own tests)."""
+    with cell_environment.applied():
+        yield
 
 
 def test_the_skip_reason_names_each_missing_package(monkeypatch):

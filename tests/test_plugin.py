@@ -173,6 +173,102 @@ def test_a_project_of_its_own_runs_its_cells_beside_its_own_tests(pytester, monk
     }
 
 
+# the variables the matrix's cells run under (matrix/cell_environment.py), and the stack the
+# plugin must not import where no cell runs
+CELL_VARIABLES = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRITON_INTERPRET")
+STACK = ("torch", "transformers", "peft", "accelerate", "lightning")
+# a project's conftest that notes, for each test's call and at the process's exit, which of the
+# stack is imported and the variables' values
+OBSERVER = f"""
+    import atexit, json, os, sys
+
+    OBSERVED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "observed.json")
+    seen = {{}}
+
+    def observe(when):
+        seen[when] = {{
+            "stack": [name for name in {STACK!r} if name in sys.modules],
+            "variables": {{name: os.environ.get(name) for name in {CELL_VARIABLES!r}}},
+        }}
+        if "torch" in sys.modules:  # Triton's interpreter is for machines without a GPU
+            seen[when]["gpu"] = sys.modules["torch"].cuda.is_available()
+
+    def pytest_runtest_call(item):
+        observe(item.nodeid)
+
+    def write():
+        observe("exit")
+        with open(OBSERVED, "w") as out:
+            json.dump(seen, out)
+
+    atexit.register(write)
+    """
+UNSET = dict.fromkeys(CELL_VARIABLES)
+
+
+def run_project(pytester, monkeypatch, files: dict[str, str], *args: str):
+    """A project of its own, with the matrix installed (its pytest11 entry point loads the plugin),
+    run in a fresh pytest process whose environment has none of the cells' variables."""
+    for name in CELL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    for name, source in {"conftest.py": OBSERVER, **files}.items():
+        (pytester.path / name).write_text(textwrap.dedent(source))
+    done = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return done, json.loads((pytester.path / "observed.json").read_text())
+
+
+def test_a_session_that_selects_no_matrix_test_imports_no_torch_and_keeps_its_environment(pytester, monkeypatch):
+    """pytest-timeout and pytest-xdist change nothing until they are used; neither does the
+    matrix: its options are there, but no torch (or the rest of the stack) is imported, no
+    environment variable is set, and no reports/ directory is left behind."""
+    outer = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # what the process is given
+    (pytester.path / "outer.json").write_text(json.dumps(outer))
+    plain = f"""
+        import json, os, sys
+        from pathlib import Path
+
+        def test_the_matrix_is_loaded_and_out_of_the_way(request):
+            assert request.config.pluginmanager.has_plugin("matrix")  # from its pytest11 entry point
+            assert request.config.getoption("matrix_cell_timeout") == "120.0"
+            assert [name for name in {STACK!r} if name in sys.modules] == []
+            outer = json.loads(Path(__file__).with_name("outer.json").read_text())
+            # pytest's own PYTEST_VERSION and PYTEST_CURRENT_TEST aside, the environment is as given
+            mine = {{k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("PYTEST_")}}
+            assert mine == {{k: v for k, v in outer.items() if not k.startswith("PYTEST_")}}
+        """
+    done, observed = run_project(pytester, monkeypatch, {"test_plain.py": plain})
+    done.assert_outcomes(passed=1)
+    call = "test_plain.py::test_the_matrix_is_loaded_and_out_of_the_way"
+    assert observed[call] == {"stack": [], "variables": UNSET}
+    assert observed["exit"] == {"stack": [], "variables": UNSET}  # nor at the session's end
+    assert not (pytester.path / "reports").exists()
+
+
+def test_a_cells_variables_are_set_while_it_runs_and_put_back_for_the_tests_after_it(pytester, monkeypatch):
+    """One cheap cell between two plain tests of the same session: the offline and interpreter
+    variables are set during the cell only; the plain test collected after it sees them unset.
+    (torch is not imported here: pytester would unload it after the test, and torch cannot be
+    imported twice in one process.)"""
+    plain = "def test_{}():\n    pass\n"
+    files = {
+        "test_a_plain.py": plain.format("before"),
+        "test_matrix.py": "from matrix.pytest_cases import test_cell  # noqa: F401\n",
+        "test_z_plain.py": plain.format("after"),
+    }
+    selection = ("--model", "tiny-transformer", "--precision", "fp32", "--mode", "eval", "--device", "cpu")
+    reports = str(pytester.path / "reports")
+    done, observed = run_project(pytester, monkeypatch, files, *selection, "--engine", "torch", "--report-dir", reports)
+    done.assert_outcomes(passed=3)
+    cell = "test_matrix.py::test_cell[tiny-transformer-fp32-eval-cpu-torch]"
+    assert list(observed) == ["test_a_plain.py::test_before", cell, "test_z_plain.py::test_after", "exit"]
+    interpreter = None if observed[cell]["gpu"] else "1"
+    during = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRITON_INTERPRET": interpreter}
+    assert observed[cell]["variables"] == during
+    for when in ("test_a_plain.py::test_before", "test_z_plain.py::test_after", "exit"):
+        assert observed[when]["variables"] == UNSET, when
+
+
 @pytest.mark.parametrize(
     ("plugin_source", "expected"),
     [

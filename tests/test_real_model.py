@@ -50,8 +50,7 @@ def test_fp32_training_with_dropout_agrees_across_engines_and_learns(engine, tmp
 class UsersPretrainedLlama(TinyLlama):
     """A user's kind loaded the way from_pretrained() leaves models: in eval mode."""
 
-    name = "users-pretrained-llama"
-    traits = frozenset({"full-weights", "from-pretrained"})
+    name = "users-pretrained-llama"  # declares no traits: from-pretrained is observed (build returns eval mode)
 
     def build(self, precision, device, workdir):
         return super().build(precision, device, workdir).eval()
@@ -72,3 +71,40 @@ def test_lightning_training_a_model_left_in_eval_mode_is_the_known_class_for_a_u
     # the torch loop calls model.train() itself: the same kind trains with dropout on there
     torch_run = run_cell(Cell(kind.name, "fp32", "train", "cpu", "torch"), tmp_path / "torch")
     assert torch_run.outcome == "passed" and torch_run.metrics["effective"]["model_training_in_first_forward"]
+
+
+# ---------------------------------------------------------------- a user's own BERT
+
+
+@pytest.fixture(scope="module")
+def user_bert_grid(users_grid, tmp_path_factory):
+    """tests/plugins/user_bert.py (only the six methods) through the whole CPU matrix."""
+    return users_grid("user_bert", "user-bert", tmp_path_factory.mktemp("user-bert"))
+
+
+@needs_wheel
+def test_a_users_bert_runs_the_whole_cpu_matrix_with_no_failure_of_the_harness(user_bert_grid):
+    record = user_bert_grid["user-bert-fp32-train-cpu-torch"]
+    assert record["outcome"] == "passed"
+    kind = record["metrics"]["kind"]
+    assert kind["declared_traits"] is None
+    assert {"from-pretrained", "dropout", "layer-norm", "full-weights", "embeddings-in-no-split-module"} <= set(
+        kind["traits"]
+    )
+    # calibrated, not assumed: the tiny models' 1e-2 raises this model's loss
+    rate = record["metrics"]["learning_rate"]
+    assert rate["source"] == "calibrated" and rate["value"] < 1e-2 and rate["fp32_learns"]
+    assert rate["tried"][0]["rate"] == 1e-2 and rate["tried"][0]["relative"] < 0
+
+
+@needs_wheel
+def test_a_users_bert_meets_the_known_classes_through_what_was_observed(user_bert_grid):
+    known = {i: c["known_failure"]["id"] for i, c in user_bert_grid.items() if c["outcome"] == "known"}
+    assert known["user-bert-fp32-train-cpu-lightning"] == "lightning-keeps-from-pretrained-eval-mode"
+    assert known["user-bert-bf16-true-train-cpu-torch"] == "bf16-weights-lose-small-adamw-updates"
+    assert known["user-bert-bf16-mixed-train-cpu-accelerate-fsdp2"] == "accelerate-fsdp2-input-embeddings-sharded-twice"
+    # dropout 0.1 across ranks: compared with dropout off, no longer skipped
+    for engine in ("ddp", "fsdp2"):
+        cell = user_bert_grid[f"user-bert-fp32-train-cpu-{engine}"]
+        assert cell["outcome"] == "passed", cell["message"]
+        assert cell["metrics"]["cross_engine"]["random_numbers"].startswith("none: dropout off")

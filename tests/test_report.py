@@ -170,3 +170,74 @@ def test_new_failures_are_grouped_by_signature_with_their_cells_folded():
     assert "14 cells, 2 signatures:" in section
     assert section.count("<details><summary>cells</summary>") == 2
     assert "`gemma-cache-bf16-true-eval-cuda-lightning`" in section  # every cell is still there, folded
+
+
+def traceback_of(cell_id: str, extra: str = "") -> str:
+    return (
+        "Traceback (most recent call last):\n"
+        '  File "/work/main/matrix/execute.py", line 110, in run_cell\n'
+        "    phases[name](state)\n"
+        f'  File "/site-packages/torch/nn/modules/transformer.py", line 9, in forward_of_{cell_id.replace("-", "_")}\n'
+        f"    return torch._transformer_encoder_layer_fwd(src){extra}\n"
+        "RuntimeError: <b>expected</b> scalar type Float but found BFloat16\n"
+    )
+
+
+def with_tracebacks(records: list[dict]) -> list[dict]:
+    return [{**r, "traceback": traceback_of(r["id"])} if r["signature"] else r for r in records]
+
+
+def test_a_failed_cells_traceback_is_in_results_json_junit_and_summary(tmp_path):
+    cells = with_tracebacks(records())
+    known = {**failed(Cell("tiny-llama", "bf16-mixed", "eval", "cpu")), "outcome": "known"}
+    known.update(known_failure={"id": "K", "title": "t", "kind": "bug", "upstream": [], "link": "https://x.test"})
+    cells.append({**known, "traceback": traceback_of(known["id"])})
+    directory = write_report(tmp_path, results_document(RUN, ENV, cells, (), table()))
+    document = json.loads((directory / "results.json").read_text())
+    jsonschema.validate(document, SCHEMA)
+    by_id = {c["id"]: c for c in document["cells"]}
+    first, second = "tiny-transformer-bf16-mixed-eval-cpu-torch", "tiny-transformer-bf16-mixed-train-cpu-torch"
+    assert by_id[first]["traceback"] == traceback_of(first)
+    assert by_id["tiny-llama-fp32-eval-cpu-torch"]["traceback"] is None  # passed
+
+    failure = ElementTree.parse(directory / "junit.xml").getroot().find(f"testcase[@name='{first}']/failure")
+    assert failure.text == f"RuntimeError: <b>expected</b> | pipe\n\n{traceback_of(first)}"  # message, then where
+
+    summary = (directory / "summary.md").read_text()
+    new = summary.split("## New failures (no catalogue entry explains them)")[1].split("\n## ")[0]
+    assert new.count("<details><summary>traceback</summary>") == 1  # one per signature: the first cell's
+    folded = new.split("  <details><summary>traceback</summary>\n\n")[1].split("\n\n  </details>")[0]
+    assert folded == "  ```\n" + "".join(f"  {line}\n" for line in traceback_of(first).splitlines()) + "  ```"
+    assert "forward_of_tiny_transformer_bf16_mixed_train" not in summary  # the second cell's is in results.json
+    assert "forward_of_tiny_llama_bf16_mixed" not in summary  # a known failure's: none in summary.md
+    assert second in by_id and by_id[second]["traceback"] == traceback_of(second)
+
+
+def test_a_summary_traceback_is_condensed_and_fenced_past_its_backticks():
+    from matrix.results.markdown import SUMMARY_TRACEBACK_LIMIT
+
+    frames = "".join(f'  File "/site-packages/lib.py", line {n}, in frame_{n}\n    call()\n' for n in range(300))
+    cell = failed(Cell("tiny-transformer", "bf16-mixed", "eval", "cpu"))
+    cell["traceback"] = f"Traceback (most recent call last):\n{frames}RuntimeError: a ```fenced``` message\n"
+    summary = summary_markdown(results_document(RUN, ENV, [cell], (), table()))
+    folded = summary.split("<details><summary>traceback</summary>\n\n")[1].split("\n\n  </details>")[0]
+    assert folded.startswith("  ````\n  Traceback (most recent call last):\n") and folded.endswith("\n  ````")
+    assert folded.count("````") == 2  # a fence longer than any backtick run inside
+    assert "  RuntimeError: a ```fenced``` message\n" in folded and "in frame_299" in folded
+    assert " lines left out) ..." in folded and "in frame_150" not in folded
+    assert len(folded) <= SUMMARY_TRACEBACK_LIMIT + 2 * len(folded.splitlines()) + 20  # indented, fenced
+
+
+def test_a_record_keeps_at_most_the_traceback_limit():
+    from matrix.results import crash_dump
+
+    frames = "".join(f'  File "/site-packages/lib.py", line {n}, in frame_{n}\n    call()\n' for n in range(3000))
+    text = f"Traceback (most recent call last):\n{frames}RuntimeError: deep\n"
+    record = CellRecord.of(Cell("tiny-llama", "fp32", "eval", "cpu"), "failed", traceback=text)
+    assert len(text) > 2 * crash_dump.TRACEBACK_LIMIT >= len(record.traceback)
+    assert record.traceback.endswith("in frame_2999\n    call()\nRuntimeError: deep\n")
+    assert CellRecord(**record.as_dict()) == record  # read back (the plugin's way), it stays as it is
+    harness = record_builders.harness_failure_record(
+        Cell("tiny-llama", "fp32", "eval", "cpu"), "setup", "def test():\n>   fixture()\nE   OSError: disk full"
+    )
+    assert harness.traceback.endswith("E   OSError: disk full") and harness.message == harness.traceback

@@ -20,13 +20,13 @@ CUDA_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 TRITON_INTERPRET = "TRITON_INTERPRET"
 
 
-def interpret_triton_without_cuda() -> None:
+def interpreter_variables() -> dict[str, str]:
     """Without a GPU, Triton kernels (Liger's) can only run in Triton's interpreter, on CPU
-    tensors. Triton reads TRITON_INTERPRET when its functions are decorated, i.e. when triton
-    is first imported (torch._dynamo imports it along with transformers' models), so this
-    must run before that: the pytest plugin calls it first thing. An explicit setting is kept."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault(TRITON_INTERPRET, "1")
+    tensors: TRITON_INTERPRET=1 among the variables the matrix's cells run under
+    (matrix/cell_environment.py). Triton reads it when its functions are decorated, its own
+    when triton is first imported (torch._dynamo imports it along with transformers' models),
+    so it must be set before anything imports triton in the process."""
+    return {} if torch.cuda.is_available() else {TRITON_INTERPRET: "1"}
 
 
 def triton_interpreted() -> bool:

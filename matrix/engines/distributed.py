@@ -53,16 +53,6 @@ class DistributedEngine(Engine):
             )
         return super().derive_or_refuse(precision)
 
-    def kind_skip_reason(self, kind) -> str | None:
-        dropout = kind.variant.dropout
-        if dropout > 0:
-            return (
-                "Requires: [a model without dropout: a batch split across ranks draws other dropout masks than the "
-                f"whole batch in one process, so the cross-engine check cannot hold] ({kind.name}'s dropout is "
-                f"{dropout})"
-            )
-        return None
-
     def phases(self, mode: str) -> dict:
         return {name: (lambda state, name=name: self._run_phase(state, name)) for name in PHASE_NAMES[mode]}
 
@@ -73,6 +63,14 @@ class DistributedEngine(Engine):
         group = rank_pool.pool(state.cell.device, world_size())
         timeout = None if state.deadline is None else max(1.0, state.deadline - time.monotonic())
         if "begun" not in state.engine_state:
+            # What the harness establishes about the kind is established here, once, and handed
+            # to the ranks: observing it in a rank would save and load a checkpoint while the
+            # other rank waits in a collective (transformers saves on rank 0 only once a group
+            # is up), and every rank would calibrate the same learning rate again.
+            from matrix.observation import observe
+            from matrix.phases import kind_learning_rate
+
+            known = {"observed": observe(state.kind), "rate": kind_learning_rate(state.kind)}  # traits need the rate
             began = time.perf_counter()
             started_before = group.starts
             group.call(
@@ -82,6 +80,7 @@ class DistributedEngine(Engine):
                 state.kind.variant,
                 state.precision,
                 str(state.workdir),
+                known,
                 timeout_s=timeout,
             )
             state.engine_state["begun"] = True
@@ -116,11 +115,12 @@ class DistributedEngine(Engine):
 # ---------------------------------------------------------------- rank side
 
 
-def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir: str) -> None:
+def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir: str, known: dict) -> None:
     import dataclasses
     import importlib
     from pathlib import Path
 
+    from matrix import learning_rate, observation
     from matrix.devices import DEVICES
     from matrix.engines import ENGINES
     from matrix.models import MODELS
@@ -130,6 +130,8 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
     kind = MODELS[cell.model]
     if variant != kind.variant:
         kind = kind.with_variant(variant)
+    observation.remember(kind, known["observed"])
+    learning_rate.remember(kind, known["rate"])
 
     device = DEVICES[cell.device]
     directory = Path(workdir) / f"rank{context.rank}"
@@ -244,6 +246,31 @@ def sharded_step(state: CellState, context, model, optimizer, scaler) -> tuple[f
         applied = not overflow
     checks.check_finite_parameters(named, "after the optimizer step")
     return global_mean(value, state.kind.loss_items(shard)), applied
+
+
+def sharded_dropout_off_loss(state: CellState, context, model, autocast: bool = True) -> float | None:
+    """For a kind whose training forward draws random numbers (dropout, as observed): the whole
+    batch's training loss of `model` (wrapped, before its first step) with dropout off, each rank
+    on its rows. The cross-engine check compares it instead of the first step's loss, whose
+    dropout masks on a rank's rows are not the ones the whole batch draws in one process. None
+    for a forward without random numbers: the first step's loss compares exactly."""
+    from matrix.phases import dropout_off_loss, stochastic_training_forward
+
+    if not stochastic_training_forward(state):
+        return None
+    shard = shard_rows(state.batch, context.rank, context.world_size)
+    return global_mean(dropout_off_loss(state, model, shard, autocast), state.kind.loss_items(shard))
+
+
+def check_first_step(state: CellState, losses: list[float], dropout_off: float | None) -> None:
+    """The cross-engine check of training: the first step's loss, or with dropout the
+    dropout-off loss before it (sharded_dropout_off_loss); the record says which."""
+    from matrix.phases import DROPOUT_OFF, check_agrees_with_torch_engine
+
+    if dropout_off is None:
+        check_agrees_with_torch_engine(state, losses[0], "train")
+    else:
+        check_agrees_with_torch_engine(state, dropout_off, DROPOUT_OFF)
 
 
 def sharded_evaluate(state: CellState, context, model, autocast: bool = True):

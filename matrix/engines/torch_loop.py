@@ -16,43 +16,12 @@ from matrix.phases import (
     evaluate_in_precision,
     resume_one_step,
     snapshot_trainable,
+    train_step,
     train_until_applied,
 )
 from matrix.precisions import Precision, dtype_name
 
 TRAINER_STATE_FILE = "trainer_state.pt"
-
-
-def _train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
-    """One optimizer step over the precision's micro-batches. Returns (loss, step applied)."""
-    optimizer.zero_grad(set_to_none=True)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    accumulation = state.precision.grad_accumulation
-    losses = []
-    for _ in range(accumulation):
-        with state.precision.autocast(state.device_type):
-            loss = state.kind.loss(model, state.batch) / accumulation
-        losses.append(checks.check_finite_loss(loss, "training loss") * accumulation)
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        if state.precision.grad_dtype is not None:
-            # keep the accumulated gradients in grad_dtype, as SimpleTuner's
-            # --gradient_precision does between micro-steps
-            for _, p in named:
-                if p.grad is not None and p.grad.dtype != state.precision.grad_dtype:
-                    p.grad.data = p.grad.data.to(state.precision.grad_dtype)
-    value = sum(losses) / len(losses)
-    if scaler is None:
-        checks.check_finite_gradients(named)
-        optimizer.step()
-        applied = True
-    else:
-        scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
-        overflow = bool(checks.nonfinite_gradients(named))  # such a step is skipped by design
-        scaler.step(optimizer)
-        scaler.update()
-        applied = not overflow
-    checks.check_finite_parameters(named, "after the optimizer step")
-    return value, applied
 
 
 def train_steps(state: CellState) -> None:
@@ -63,7 +32,7 @@ def train_steps(state: CellState) -> None:
     trainable = snapshot_trainable(state.model)
     dtypes = checks.tensor_dtypes(state.model)
     state.metrics["train_losses"] = train_until_applied(
-        state, lambda: _train_step(state, state.model, state.optimizer, state.scaler), TRAIN_STEPS
+        state, lambda: train_step(state, state.model, state.optimizer, state.scaler), TRAIN_STEPS
     )
     check_training_contract(state, state.model, trainable, dtypes)
     if state.scaler is not None:
@@ -122,7 +91,7 @@ def checkpoint_reload(state: CellState) -> None:
 
 
 def resumed_step(state: CellState) -> None:
-    resume_one_step(state, lambda: _train_step(state, state.model, state.optimizer, state.scaler))
+    resume_one_step(state, lambda: train_step(state, state.model, state.optimizer, state.scaler))
 
 
 class TorchEngine(Engine):
@@ -149,7 +118,7 @@ class TorchEngine(Engine):
             settings["grad_accumulation"] = precision.grad_accumulation
         return settings
 
-    fixed_variant_fields = ()  # _train_step accumulates the precision's (or variant's) micro-batches
+    fixed_variant_fields = ()  # train_step accumulates the precision's (or variant's) micro-batches
 
 
 register(TorchEngine())

@@ -28,14 +28,27 @@ BATCH_SEED = 1234
 
 # What a model kind is, as far as known failures care: catalogue entries can select cells by
 # trait (matrix/known_failures.toml, `trait = [...]`), so a failure class known for the
-# built-in kinds is recognised in a user's kind that has the same trait.
+# built-in kinds is recognised in a user's kind that has the same trait. Each is observed on
+# the built model (matrix/observation.py); a kind may declare its own set instead (`traits`).
 TRAITS: dict[str, str] = {
     "full-weights": "trains all its weights, held in the precision's weights dtype",
-    "adapters": "trains adapters only, which peft keeps in fp32 over a frozen base in the weights dtype",
-    "layer-norm": "normalises with torch's nn.LayerNorm, whose weights take the precision's dtype",
-    "from-pretrained": "is built with from_pretrained() in every precision, which returns the model in eval mode",
+    "adapters": "trains a strict subset of its parameters (adapters over a frozen base)",
+    "layer-norm": "has torch nn.LayerNorm modules, whose weights take the precision's dtype",
+    "from-pretrained": "create() returns the model in eval mode, as from_pretrained() does",
     "loaded-from-pretrained": (
-        "its *-loaded-* precisions come from from_pretrained(), which returns the model in eval mode"
+        "in the *-loaded-* precisions the model read back from its checkpoint is in eval mode, as "
+        "from_pretrained() returns it"
+    ),
+    "dropout": "two training forwards with different random numbers give different losses",
+    "updates-below-bf16-resolution": (
+        "at its learning rate an AdamW step is below half a bf16 ulp of its largest trainable weights "
+        "(norm weights near 1.0 under a fine-tuning rate): in bf16 they cannot move"
+    ),
+    "unmapped-loss-type": (
+        "a transformers model whose class name names no loss type (loss_type None: GPT2LMHeadModel)"
+    ),
+    "embeddings-in-no-split-module": (
+        "its input embeddings sit inside a module its _no_split_modules lists (BERT: BertEmbeddings)"
     ),
 }
 
@@ -75,8 +88,9 @@ class ModelKind(abc.ABC):
     grid_variant: Variant = Variant()
     # the Variant fields this kind reads: what exploration varies and reports record
     variant_fields: tuple[str, ...] = ("seq_len", "padding", "pad_counts")
-    # keys of TRAITS; a kind that trains adapters says so
-    traits: frozenset[str] = frozenset({"full-weights"})
+    # keys of TRAITS. None: observed on the built model (matrix/observation.py); a kind may
+    # declare its set instead, which then replaces the observed one in catalogue selection
+    traits: frozenset[str] | None = None
     explorable = True  # False: exploration (matrix/explore.py) has no variants of it to draw
     learning_rate: float | None = None  # AdamW's, in every engine; None: phases.LEARNING_RATE
 
@@ -140,8 +154,11 @@ class ModelKind(abc.ABC):
 
     def loss_items(self, batch: dict[str, torch.Tensor]) -> int:
         """How many items loss() averages over in `batch` (some rows of the fixed batch, when
-        the distributed engines split it across ranks): rows, unless the kind says otherwise."""
-        return len(next(iter(batch.values())))
+        the distributed engines split it across ranks): by the rule observed on the kind's own
+        loss (matrix/observation.py: next-token labels, labels, attention mask or rows)."""
+        from matrix.observation import observe
+
+        return observe(self).count(batch)
 
     @abc.abstractmethod
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

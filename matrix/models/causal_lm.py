@@ -71,7 +71,6 @@ class CausalLMKind(base.ModelKind):
     # Left padding: what decoder-only generation needs, and what eval loaders feed.
     grid_variant = Variant(padding="left")
     variant_fields = DECODER_FIELDS
-    traits = frozenset({"full-weights", "loaded-from-pretrained"})  # load_weights: from_pretrained()
     generate_tokens = 0  # > 0: evaluation also runs generate()
 
     @property
@@ -112,10 +111,6 @@ class CausalLMKind(base.ModelKind):
 
     def loss(self, model, batch):
         return model(**batch, use_cache=False).loss
-
-    def loss_items(self, batch) -> int:
-        """The labels predicted: the model scores the output at t against label t+1."""
-        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def evaluate(self, model, batch):
         use_cache = self.variant.use_cache_in_eval

@@ -10,8 +10,8 @@ loss and the lm_head and hidden-state gradients chunk by chunk in its forward. I
 it computes logits and the usual loss.
 
 Liger's kernels are Triton kernels. Without a GPU they run in Triton's interpreter
-(TRITON_INTERPRET=1, which the pytest plugin sets before triton is imported; matrix/devices/cuda.py):
-the Python side of Liger's op,
+(TRITON_INTERPRET=1, which the matrix's cells run under, set before triton is imported;
+matrix/cell_environment.py): the Python side of Liger's op,
 the dtype decisions and the matmuls around the kernels, runs as written. One thing differs
 from a GPU and matters for seed 002: Liger up to 0.3.1 chooses its dtype with
 torch.is_autocast_enabled(), which asks about CUDA autocast only (docs/SEEDS.md).
@@ -58,7 +58,7 @@ class LigerLlama(TinyLlama):
         if device == "cpu" and not triton_interpreted():
             return (
                 "Requires: [Triton's interpreter for CPU tensors] (TRITON_INTERPRET=1 is not set for this "
-                "process; the pytest plugin sets it where no GPU is visible)"
+                "process; the matrix's cells run under it where no GPU is visible)"
             )
         return None
 

@@ -20,7 +20,6 @@ class Lora(CausalLMKind):
     axis_position = 2
     description = "peft LoRA (r=4, q_proj/v_proj) on tiny-llama"
     variant_fields = (*DECODER_FIELDS, "lora_rank", "lora_targets")
-    traits = frozenset({"adapters"})
     base_kind = TinyLlama()
 
     def standalone_code(self) -> str:

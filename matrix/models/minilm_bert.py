@@ -61,7 +61,6 @@ class MiniLMBert(base.ModelKind):
     grid_variant = Variant(padding="right", dropout=0.1)
     variant_fields = ()
     explorable = False  # a real model with a real batch: nothing of it is a variant's to change
-    traits = frozenset({"full-weights", "layer-norm", "from-pretrained"})
     # A fine-tuning rate. The tiny models' 1e-2 raises a pretrained model's loss: in fp32 it went
     # 1.096 -> 1.727 in two AdamW updates. At 1e-4 fp32 falls 6.7% between the first and last
     # of three steps' losses (3e-5: 1.6%, 3e-4: 22%), 16% from before training to after it.

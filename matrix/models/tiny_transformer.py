@@ -55,7 +55,6 @@ class TinyTransformer(base.ModelKind):
     # No dropout (Variant's default): a training forward must give the same loss in every
     # engine, whose random number streams differ.
     grid_variant = Variant(padding="right")
-    traits = frozenset({"full-weights", "layer-norm"})
     variant_fields = (
         *base.ModelKind.variant_fields,
         "hidden_size",

@@ -1,7 +1,7 @@
 """The results layer: cell records, results.json, summary.md, junit.xml, index.html, the run's
 journal and directory, and reading runs back (diff, merge). Standard library only: reading,
 comparing and merging reports never imports torch or the stack that produced them
-(tests/test_results_layer.py imports every module here with torch blocked).
+(tests/test_import_graph.py imports every module here with torch blocked).
 
   records.py       - one typed record per cell, and the records of cells that never reached run_cell
   document.py      - results.json's document: counts, signature and catalogue indexes
@@ -13,9 +13,9 @@ comparing and merging reports never imports torch or the stack that produced the
   files.py         - reading a results.json back, checked field by field
   compare.py       - python -m matrix diff
   merge.py         - python -m matrix merge
-  crash_dump.py    - what a crash or timeout record keeps of a dead process's stacks
+  crash_dump.py    - what a record keeps of a traceback, or of a dead process's stacks
 """
 
-SCHEMA_VERSION = 4  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;
+SCHEMA_VERSION = 5  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;
 # 4: per-cell cuda_index, device_name and rerun; run.shard, run.cuda_device, run.merged_from;
-# environment.driver_version and driver_cuda_version
+# environment.driver_version and driver_cuda_version; 5: per-cell traceback

@@ -1,4 +1,6 @@
-"""What a crash or timeout record keeps of a dead process's stacks (standard library only).
+"""What a record keeps of a stack or a traceback (standard library only): one condense() for
+a crash's faulthandler dump, a cell's Python traceback, pytest's failure text and
+pytest-timeout's stacks alike.
 
 A faulthandler dump reads, top to bottom: the fatal error ("Fatal Python error: Segmentation
 fault"), one block per thread (each "most recent call first", so a block's first frames are
@@ -8,8 +10,13 @@ so keeping a dump's tail keeps the list and loses the stack. condense() keeps th
 line and the crashing thread's stack first, then the other threads while they fit, and
 shortens the module list to its count.
 
-Other stack texts (pytest-timeout's, pytest's tracebacks) are "most recent call last": their
-tail is what matters, and condense() keeps that.
+Everything else is "most recent call last" (a Python traceback, pytest's, pytest-timeout's):
+its first lines say what ran (the outermost frames: the harness's phase, the engine), its last
+lines where it broke (the innermost frames and the exception). A long one keeps both ends and
+leaves out the middle, with a line saying how many lines are missing. A chained traceback
+("The above exception was the direct cause ...", "During handling of the above exception
+...") and a rank's traceback appended to the driver's ("raised in the rank as:") are parts of
+their own: each keeps its innermost frame and exception lines, where the cause often is.
 """
 
 from __future__ import annotations
@@ -17,11 +24,30 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-RECORD_LIMIT = 6000  # characters of stacks a record keeps
+RECORD_LIMIT = 6000  # characters of stacks a crash or timeout record's message keeps
+# Characters of traceback a record keeps (CellRecord.traceback). The failing cells measured on
+# the CPU grid (torch 2.13.0, every engine) have tracebacks of 600 to 5 700 characters, the
+# longest 86 lines (Lightning's validate() down to torch's encoder fast path; a ddp rank's,
+# appended to the driver's, 2 300): they stay whole, with room for a GPU run's longer library
+# stacks and chains. Only the pathological ones are condensed (a compiler's generated code in
+# a message, a chain of whole library stacks), and 2 500 failing cells at the limit add 40 MB.
+TRACEBACK_LIMIT = 16_000
 FATAL = "Fatal Python error"
 MODULES = "Extension modules:"
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*\(most recent call first\):$")
 _TOTAL = re.compile(r"\(total: (\d+)\)\s*$")
+# Lines that start a part of a traceback of its own: Python's chaining, and a rank's traceback
+# appended to the driver's (matrix/execute.py).
+CHAIN_LINES = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+    "raised in the rank as:",
+)
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+_FRAME = re.compile(r'^\s*File "')
+# Lines a part's end grows by for each line its start grows by: the innermost frames say
+# more than the outermost, and the last part (the exception raised) more than its causes.
+_GROWTH = {"last": (1, 3), "earlier": (1, 2)}  # part -> (head lines, tail lines) per round
 
 
 def is_faulthandler_dump(text: str) -> bool:
@@ -58,9 +84,10 @@ def _module_summary(line: str) -> str:
 
 
 def condense(text: str, limit: int = RECORD_LIMIT) -> str:
-    """At most `limit` characters of `text` that keep what a crash record exists to keep."""
+    """At most `limit` characters of `text` that keep what a record exists to keep: a
+    faulthandler dump's fatal line and crashing thread, a traceback's ends (condense_traceback)."""
     if not is_faulthandler_dump(text):
-        return text[-limit:]
+        return condense_traceback(text, limit)
     header, threads, modules, other = _blocks(text)
     tail = [_module_summary(line) for line in modules] + other
     out = header[:]
@@ -86,6 +113,97 @@ def condense(text: str, limit: int = RECORD_LIMIT) -> str:
             out.append(f"({left} more thread stacks left out)")
         break
     return "\n".join(out + tail)[:limit]
+
+
+def left_out(count: int) -> str:
+    """The line that stands where `count` lines of a traceback were left out."""
+    return f"  ... ({count} lines left out) ..."
+
+
+def _parts(lines: list[str]) -> list[tuple[int, int]]:
+    """(start, end) of each part of a chained traceback; a part starts at the blank lines
+    before its chain line."""
+    starts = [0]
+    for n, line in enumerate(lines):
+        if n and line.strip() in CHAIN_LINES:
+            start = n
+            while start - 1 > starts[-1] and not lines[start - 1].strip():
+                start -= 1
+            if start > starts[-1]:
+                starts.append(start)
+    return list(zip(starts, [*starts[1:], len(lines)], strict=True))
+
+
+def _part_minimum(lines: list[str]) -> tuple[int, int]:
+    """How many of a part's first and last lines it always keeps: through its "Traceback (most
+    recent call last):" line, and from its innermost frame on (the frame and the exception)."""
+    head = 1
+    for n, line in enumerate(lines[:4]):
+        if line.strip() in CHAIN_LINES or line.strip() == TRACEBACK_HEADER:
+            head = n + 1
+    frames = [n for n, line in enumerate(lines) if n >= head and _FRAME.match(line)]
+    tail = len(lines) - frames[-1] if frames else 1
+    head = min(head, len(lines))
+    return head, min(tail, len(lines) - head)
+
+
+def condense_traceback(text: str, limit: int = TRACEBACK_LIMIT) -> str:
+    """At most `limit` characters of a most-recent-call-last traceback (`text` itself when it
+    fits): its first lines and, of each chained part, the innermost frames and exception, the
+    middle left out (left_out() says how many lines)."""
+    if len(text) <= limit:
+        return text
+    newline = "\n" if text.endswith("\n") else ""
+    lines = text[: len(text) - len(newline)].split("\n")
+    parts = [lines[start:end] for start, end in _parts(lines)]
+    kept = [list(_part_minimum(part)) for part in parts]  # per part: [head lines, tail lines]
+    marker_cost = len(left_out(len(lines))) + 1  # at most, per part with a gap
+    used = len(newline) - 1  # each kept line costs its length and a newline; the last has none
+    for part, (head, tail) in zip(parts, kept, strict=True):
+        used += sum(len(line) + 1 for line in part[:head] + part[len(part) - tail :])
+        used += marker_cost if head + tail < len(part) else 0
+    if used > limit:  # the exception lines alone do not fit: the first line, then the end
+        return _cut(text, lines, limit, newline)
+    growing = True
+    while growing:  # round by round, every part's ends grow inwards while the budget lasts
+        growing = False
+        for index in reversed(range(len(parts))):
+            part, ends = parts[index], kept[index]
+            for side, lines_per_round in enumerate(_GROWTH["last" if index == len(parts) - 1 else "earlier"]):
+                for _ in range(lines_per_round):
+                    if ends[0] + ends[1] >= len(part):
+                        break
+                    line = part[ends[0]] if side == 0 else part[len(part) - ends[1] - 1]
+                    if used + len(line) + 1 > limit:
+                        break
+                    used += len(line) + 1
+                    ends[side] += 1
+                    growing = True
+    out: list[str] = []
+    for part, (head, tail) in zip(parts, kept, strict=True):
+        out += part[:head]
+        if head + tail < len(part):
+            out.append(left_out(len(part) - head - tail))
+        out += part[len(part) - tail :]
+    return "\n".join(out) + newline
+
+
+def _cut(text: str, lines: list[str], limit: int, newline: str) -> str:
+    """The first line and as much of the end as fits: for a traceback whose exception lines
+    alone run past the limit. The marker counts lines, or characters where a line is cut."""
+    first = lines[0][: limit // 4]
+    marker = f"  ... ({len(text)} characters left out) ..."  # longer than any marker below
+    room = limit - len(first) - len(marker) - 2
+    if room <= 0:
+        return text[-limit:]
+    end = text[-room:]
+    if "\n" in end[:-1]:
+        end = end[end.index("\n") + 1 :]  # whole lines
+    whole = first == lines[0] and text[: len(text) - len(end)].endswith("\n")
+    if whole:
+        missing = len(lines) - 1 - (end[: len(end) - len(newline)].count("\n") + 1)
+        return f"{first}\n{left_out(missing)}\n{end}"
+    return f"{first}\n  ... ({len(text) - len(first) - len(end)} characters left out) ...\n{end}"
 
 
 def crash_origin(stacks: str) -> str:

@@ -15,7 +15,8 @@ from matrix.cell import AXES
 from matrix.results import SCHEMA_VERSION
 
 SCHEMA_FILE = Path(__file__).with_name("results.schema.json")  # the JSON Schema results.json follows
-READABLE_SCHEMA_VERSIONS = (3, SCHEMA_VERSION)  # 4 added per-cell placement and rerun, shards
+# 4 added per-cell placement and rerun, shards; 5 the per-cell traceback (None where a file has none)
+READABLE_SCHEMA_VERSIONS = (3, 4, SCHEMA_VERSION)
 # What every cell record holds: its axes (matrix/cell.py) and one of the outcomes.
 OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
 CELL_FIELDS = ("id", *AXES, "outcome", "signature", "metrics")

@@ -306,6 +306,11 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
         )
     if cell.get("message"):
         rows.append(("message", f"<pre>{esc(cell['message'])}</pre>"))
+    if cell.get("traceback"):  # folded: the message says what failed, the traceback where
+        traceback = cell["traceback"]
+        lines = traceback.rstrip("\n").count("\n") + 1
+        folded = f"<summary>{lines} lines</summary><pre>{esc(traceback)}</pre>"
+        rows.append(("traceback", f'<details class="traceback">{folded}</details>'))
     if cell.get("skip_reason"):
         rows.append(("skip reason", esc(cell["skip_reason"])))
     entry = cell.get("known_failure")

@@ -1,4 +1,5 @@
-"""junit.xml: one testcase per cell, for CI systems that read JUnit."""
+"""junit.xml: one testcase per cell, for CI systems that read JUnit: a new failure's message is
+its signature, its body the cell's message and traceback."""
 
 from __future__ import annotations
 
@@ -32,7 +33,15 @@ def junit_xml(document: dict) -> bytes:
             failure = ElementTree.SubElement(
                 case, "failure", message=f"{cell['signature']['id']} {cell['signature']['text']}"
             )
-            failure.text = cell["message"] or ""
+            failure.text = failure_body(cell)
         elif cell["outcome"] == "skipped":
             ElementTree.SubElement(case, "skipped", message=cell["skip_reason"] or "")
     return ElementTree.tostring(suite, encoding="utf-8", xml_declaration=True)
+
+
+def failure_body(cell: dict) -> str:
+    """The message, then the traceback (a crash's message holds its stacks already: once)."""
+    message, traceback = cell["message"] or "", cell.get("traceback")
+    if not traceback or traceback in message:
+        return message
+    return f"{message}\n\n{traceback}" if message else traceback

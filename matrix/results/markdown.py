@@ -1,11 +1,18 @@
-"""summary.md: one grid per device and mode, new failures grouped by signature, fixed cells by
-catalogue entry, skip reasons, known failures, signatures, explorations, the precision table."""
+"""summary.md: one grid per device and mode, new failures grouped by signature (each with its
+first cell's traceback, folded), fixed cells by catalogue entry, skip reasons, known failures,
+signatures, explorations, the precision table."""
 
 from __future__ import annotations
 
 import json
+import re
 
+from matrix.results import crash_dump
 from matrix.results.files import known_failure_keys
+
+# summary.md goes into a CI job's summary, which GitHub caps at 1 MiB: a new signature's
+# traceback there keeps its first lines and innermost frames in this many characters.
+SUMMARY_TRACEBACK_LIMIT = 4000
 
 
 def _md(text: str) -> str:
@@ -29,6 +36,17 @@ def folded_cells(line: str, cells: list[dict]) -> list[str]:
     """One list item, with its cells folded below it (a <details> block, as GitHub renders)."""
     ids = ", ".join(f"`{c['id']}`" for c in cells)
     return [line, "  <details><summary>cells</summary>", "", f"  {ids}", "", "  </details>"]
+
+
+def folded_traceback(traceback: str | None) -> list[str]:
+    """A list item's traceback, folded beneath it in a fenced block: one per new signature, at
+    most SUMMARY_TRACEBACK_LIMIT characters of it (the whole one is in results.json and index.html)."""
+    if not traceback:
+        return []
+    text = crash_dump.condense(traceback, SUMMARY_TRACEBACK_LIMIT).rstrip("\n")
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
+    body = [f"  {line}" if line else "" for line in text.split("\n")]
+    return ["  <details><summary>traceback</summary>", "", f"  {fence}", *body, f"  {fence}", "", "  </details>"]
 
 
 def ran_as_note(cell: dict) -> str:
@@ -103,6 +121,7 @@ def summary_markdown(document: dict) -> str:
         lines += [f"{len(new)} cells, {len(by_signature)} signatures:", ""]
         for sig_id, group in by_signature.items():
             lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
+            lines += folded_traceback(group[0].get("traceback"))
 
     skip_reasons: dict[str, str] = {}
     for device, mode in sorted(
@@ -169,6 +188,7 @@ def summary_markdown(document: dict) -> str:
         lines.append("No cell failed.")
 
     lines += exploration_markdown(document.get("explorations", []))
+    lines += model_kinds_markdown(cells)
 
     lines += [
         "",
@@ -185,6 +205,39 @@ def summary_markdown(document: dict) -> str:
         )
     lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
     return "\n".join(lines) + "\n"
+
+
+def model_kinds_markdown(cells: list[dict]) -> list[str]:
+    """What the harness observed about each model kind (matrix/observation.py) and the learning
+    rate it trained at (matrix/learning_rate.py), from the first cell that recorded them."""
+    kinds: dict[str, dict] = {}
+    rates: dict[str, dict] = {}
+    for cell in cells:
+        metrics = cell.get("metrics") or {}
+        if "kind" in metrics:
+            kinds.setdefault(cell["model"], metrics["kind"])
+        if "learning_rate" in metrics:
+            rates.setdefault(cell["model"], metrics["learning_rate"])
+    if not kinds:
+        return []
+    lines = [
+        "",
+        "## Model kinds, as observed",
+        "",
+        "| model | traits | loss averages over | learning rate | fp32 fall at that rate |",
+        "|---|---|---|---|---|",
+    ]
+    for model, kind in kinds.items():
+        observed = kind["observed"]
+        traits = ", ".join(kind["traits"]) + (" (declared)" if kind["declared_traits"] is not None else "")
+        if observed.get("error"):
+            traits += f"; observing failed: {observed['error']}"
+        rate = rates.get(model)
+        learning = f"{rate['value']:g} ({rate['source']})" if rate else "-"
+        fall = rate["fp32_fall"]["relative"] if rate else None
+        fallen = "-" if fall is None else f"{fall:.1%}"
+        lines.append(f"| {model} | {_md(traits)} | {observed['loss_items']} | {learning} | {fallen} |")
+    return lines
 
 
 def exploration_markdown(explorations: list[dict]) -> list[str]:

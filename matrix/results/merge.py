@@ -92,7 +92,8 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
     records: dict[str, tuple[dict, Path]] = {}
     for document, file in inputs:
         for cell in document["cells"]:
-            record = {"cuda_index": None, "device_name": None, "rerun": None, **cell}
+            # the fields an older schema's cells lack (4: placement and rerun, 5: traceback)
+            record = {"cuda_index": None, "device_name": None, "rerun": None, "traceback": None, **cell}
             if cell["device"] in split and _hardware(cell, document):
                 record["device"] = f"{cell['device']}-{slug(_hardware(cell, document))}"
                 record["id"] = Cell(**{axis: record[axis] for axis in AXES}).id

@@ -3,6 +3,12 @@
 A record is made once, complete, where its outcome is known: run_cell's result
 (matrix/execute.py), a skip, a timeout, a crash, or a failure outside run_cell. Nothing edits
 it afterwards. `as_dict()` is its JSON form, in the schema's field order.
+
+A failed cell's `traceback` is where it failed: the exception's Python traceback (a rank's
+appended), a crash's or timeout's stacks, pytest's text for a failure outside run_cell. The
+record keeps at most crash_dump.TRACEBACK_LIMIT characters of it (crash_dump.condense: a
+traceback's first lines and innermost frames, a faulthandler dump's crashing thread), whoever
+made it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class CellRecord:
     phases: dict = field(default_factory=dict)  # phase -> passed | failed | not run
     signature: dict | None = None  # Signature.as_dict()
     message: str | None = None
+    traceback: str | None = None  # condensed to crash_dump.TRACEBACK_LIMIT characters
     skip_reason: str | None = None
     known_failure: dict | None = None  # known_failure_record()
     duration_s: float = 0.0
@@ -38,6 +45,12 @@ class CellRecord:
     cuda_index: int | None = None  # the accelerator's index, for a cell on an indexed device
     device_name: str | None = None
     rerun: str | None = None  # the command that re-runs just this cell
+
+    def __post_init__(self) -> None:
+        if self.traceback is not None and len(self.traceback) > crash_dump.TRACEBACK_LIMIT:
+            # a frozen record's own field, set once, before anyone reads it; a record read back
+            # (the plugin's from a test report) is within the limit already and stays as it is
+            object.__setattr__(self, "traceback", crash_dump.condense(self.traceback, crash_dump.TRACEBACK_LIMIT))
 
     @classmethod
     def of(cls, cell: Cell, outcome: str, **fields) -> CellRecord:
@@ -77,6 +90,7 @@ def harness_failure_record(
         phase=phase,
         signature=signature.as_dict(),
         message=description[-4000:],
+        traceback=description or None,
         duration_s=duration_s,
         **placement,
     )
@@ -91,6 +105,7 @@ def timeout_record(cell: Cell, timeout_s: float, stacks: str, **placement) -> Ce
         phase="timeout",
         signature=signature.as_dict(),
         message=f"stopped after {timeout_s:g} s\n{crash_dump.condense(stacks)}",
+        traceback=crash_dump.condense(stacks, crash_dump.TRACEBACK_LIMIT) if stacks else None,
         duration_s=float(timeout_s),
         **placement,
     )
@@ -105,6 +120,7 @@ def crash_record(cell: Cell, cause: str, stacks: str, duration_s: float, **place
         phase="crash",
         signature=signature.as_dict(),
         message=f"the process running this cell died: {cause}\n{crash_dump.condense(stacks)}",
+        traceback=crash_dump.condense(stacks, crash_dump.TRACEBACK_LIMIT) if stacks else None,
         duration_s=round(duration_s, 4),
         **placement,
     )

@@ -55,7 +55,6 @@ class BagClassifier(ModelKind):
     name = "bag-classifier"
     description = "downstream example: bag-of-tokens MLP classifier pooled with index_add"
     grid_variant = Variant(padding="right")
-    traits = frozenset({"full-weights"})  # AdamW trains every weight, in the precision's weights dtype
     variant_fields = (*ModelKind.variant_fields, "hidden_size", "intermediate_size")
 
     def create(self) -> nn.Module:

@@ -1,0 +1,264 @@
+"""What the harness sees on a model kind's own model, instead of asking the kind to declare it.
+
+A user writes a kind with six methods (create, batch, loss, evaluate, save, load_weights) and
+nothing else. What the catalogue's trait selectors, the distributed engines and the reports
+need to know about it is observed on the built model, once per kind (and variant) and process,
+on the CPU in fp32:
+
+- which parameters train: all of them (trait `full-weights`) or a strict subset (`adapters`);
+- nn.LayerNorm modules (`layer-norm`);
+- the mode the model is built in: eval mode, as from_pretrained() returns a model, from
+  create() (`from-pretrained`) or, for the *-loaded-* precisions, from the kind's checkpoint
+  read back with load_weights() (`loaded-from-pretrained`); and where the model came from;
+- dropout: whether two training forwards with different random numbers give different losses
+  (`dropout`; module dropout and functional dropout alike), and the dropout modules with p > 0;
+- whether its input embeddings sit inside a module the model lists in `_no_split_modules`
+  (BERT's BertEmbeddings), which a wrapper that shards those modules shards with them
+  (`embeddings-in-no-split-module`);
+- whether it is a transformers model whose class name names no loss type (`loss_type` None:
+  GPT2LMHeadModel), so transformers falls back to its default causal LM loss
+  (`unmapped-loss-type`);
+- which items loss() averages over: the rule whose per-row counts, weighting the losses of the
+  batch's rows one at a time, give back the whole batch's loss (ModelKind.loss_items).
+
+A kind may still declare its traits (ModelKind.traits, not None): then they replace the
+observed ones in catalogue selection, and the report records both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100  # the label torch's cross entropy (and so transformers' losses) skips
+
+# How a loss may average over a batch: rule name -> items per row. Tried in this order; the
+# first whose weighting reproduces the batch's loss is the kind's. Where several do, their
+# counts are proportional on this batch and any of them weighs every subset of rows alike.
+LOSS_ITEM_RULES = {
+    "next-token labels": lambda batch: (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1),
+    "labels": lambda batch: (batch["labels"] != IGNORE_INDEX).reshape(len(batch["labels"]), -1).sum(dim=1),
+    "attention mask": lambda batch: batch["attention_mask"].reshape(len(batch["attention_mask"]), -1).sum(dim=1),
+    "rows": lambda batch: torch.ones(len(next(iter(batch.values()))), dtype=torch.long),
+}
+# |weighted mean of the row losses - batch loss| <= this * |batch loss|: fp32 rounding of a
+# per-row against a batched forward, far below what another weighting changes
+LOSS_ITEMS_RTOL = 1e-4
+DROPOUT_PROBE_SEEDS = (1, 2)
+
+
+@dataclass(frozen=True)
+class Observation:
+    kind: str
+    parameters: int = 0
+    trainable_parameters: int = 0
+    layer_norm_modules: int = 0
+    dropout_modules: tuple[str, ...] = ()  # "name (p=0.1)", modules with p > 0
+    stochastic_training_forward: bool = False
+    created_in_eval_mode: bool = False
+    loaded_in_eval_mode: bool | None = None
+    origin: str | None = None  # "from_pretrained(<name or path>)" where transformers says so
+    embeddings_in_no_split_module: str | None = None  # the enclosing module's class, if any
+    unmapped_loss_type: str | None = None  # the transformers class whose loss_type is None
+    # the largest median |weight| of a trainable tensor (norm weights near 1.0): where an update of
+    # about the learning rate is below half a bf16 ulp of it (phases.kind_traits)
+    largest_trainable_magnitude: float = 0.0
+    loss_items: str = "rows"
+    loss_items_evidence: dict = field(default_factory=dict)  # rule -> relative error, or why not
+    error: str | None = None  # observation itself failed: the message, and traits are declared only
+
+    @property
+    def traits(self) -> frozenset[str]:
+        found = set()
+        if self.trainable_parameters and self.trainable_parameters == self.parameters:
+            found.add("full-weights")
+        elif self.trainable_parameters:
+            found.add("adapters")
+        if self.layer_norm_modules:
+            found.add("layer-norm")
+        if self.created_in_eval_mode:
+            found.add("from-pretrained")
+        if self.loaded_in_eval_mode:
+            found.add("loaded-from-pretrained")
+        if self.stochastic_training_forward:
+            found.add("dropout")
+        if self.embeddings_in_no_split_module:
+            found.add("embeddings-in-no-split-module")
+        if self.unmapped_loss_type:
+            found.add("unmapped-loss-type")
+        return frozenset(found)
+
+    def count(self, batch: dict) -> int:
+        """How many items the kind's loss averages over in `batch` (the whole batch or a shard)."""
+        return int(LOSS_ITEM_RULES[self.loss_items](batch).sum())
+
+    def as_dict(self) -> dict:
+        return {
+            "traits": sorted(self.traits),
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "layer_norm_modules": self.layer_norm_modules,
+            "dropout_modules": list(self.dropout_modules),
+            "stochastic_training_forward": self.stochastic_training_forward,
+            "created_in_eval_mode": self.created_in_eval_mode,
+            "loaded_in_eval_mode": self.loaded_in_eval_mode,
+            "origin": self.origin,
+            "embeddings_in_no_split_module": self.embeddings_in_no_split_module,
+            "unmapped_loss_type": self.unmapped_loss_type,
+            "largest_trainable_magnitude": self.largest_trainable_magnitude,
+            "loss_items": self.loss_items,
+            "loss_items_evidence": self.loss_items_evidence,
+            "error": self.error,
+        }
+
+
+_OBSERVED: dict[tuple, Observation] = {}
+
+
+def _key(kind) -> tuple:
+    return (kind.name, type(kind), kind.variant)
+
+
+def observe(kind) -> Observation:
+    """The kind's observation, made once per kind, variant and process."""
+    if _key(kind) not in _OBSERVED:
+        _OBSERVED[_key(kind)] = _observe(kind)
+    return _OBSERVED[_key(kind)]
+
+
+def remember(kind, observation: Observation) -> None:
+    """Take another process's observation of the kind as this one's (a rank's, from its driver)."""
+    _OBSERVED[_key(kind)] = observation
+
+
+def effective_traits(kind) -> frozenset[str]:
+    """What catalogue selectors match: the kind's declared traits where it declares them, else
+    the observed ones."""
+    declared = getattr(kind, "traits", None)
+    return frozenset(declared) if declared is not None else observe(kind).traits
+
+
+def _origin(model: nn.Module) -> str | None:
+    for module in model.modules():
+        name = getattr(getattr(module, "config", None), "_name_or_path", None)
+        if name:
+            return f"from_pretrained({name})"
+    return None
+
+
+def _no_split_module_around_embeddings(model: nn.Module) -> str | None:
+    """The class of a module listed in the model's `_no_split_modules` that holds its input
+    embeddings (transformers' get_input_embeddings()), or None."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if no_split and callable(get_embeddings) else None
+    if embeddings is None:
+        return None
+    for module in model.modules():
+        if type(module).__name__ in no_split and module is not embeddings:
+            if any(inner is embeddings for inner in module.modules()):
+                return type(module).__name__
+    return None
+
+
+def _unmapped_loss_type(model: nn.Module) -> str | None:
+    """The class of the transformers model inside `model` (a peft wrapper's base too) whose
+    `loss_type` is None: PreTrainedModel sets it from its class name, and GPT2LMHeadModel's names
+    none of transformers' losses."""
+    for module in model.modules():
+        if hasattr(module, "loss_type") and hasattr(module, "config"):
+            return type(module).__name__ if module.loss_type is None else None
+    return None
+
+
+def _probe_losses(kind, model, batch) -> tuple[float, float]:
+    losses = []
+    with torch.no_grad():
+        for seed in DROPOUT_PROBE_SEEDS:
+            torch.manual_seed(seed)
+            losses.append(kind.loss(model, batch).float().item())
+    return losses[0], losses[1]
+
+
+def rows_of(batch: dict, rows: slice) -> dict:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def _loss_item_rule(kind, model, batch) -> tuple[str, dict]:
+    """The first rule of LOSS_ITEM_RULES under which the rows' losses, weighted by their item
+    counts, average to the batch's loss (eval mode: no dropout)."""
+    with torch.no_grad():
+        whole = kind.loss(model, batch).float().item()
+        size = len(next(iter(batch.values())))
+        per_row = [kind.loss(model, rows_of(batch, slice(i, i + 1))).float().item() for i in range(size)]
+    evidence = {}
+    for rule, counts_of in LOSS_ITEM_RULES.items():
+        try:
+            counts = counts_of(batch).tolist()
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            evidence[rule] = f"not applicable: {type(exc).__name__}: {exc}"
+            continue
+        if sum(counts) == 0:
+            evidence[rule] = "no items in the batch"
+            continue
+        weighted = [(c, loss) for c, loss in zip(counts, per_row, strict=True) if c]
+        if not all(math.isfinite(loss) for _, loss in weighted):
+            evidence[rule] = "a row with items has a non-finite loss"
+            continue
+        mean = sum(c * loss for c, loss in weighted) / sum(c for c, _ in weighted)
+        error = abs(mean - whole) / max(abs(whole), 1e-12)
+        evidence[rule] = error
+        if error <= LOSS_ITEMS_RTOL:
+            return rule, evidence
+    return "rows", {**evidence, "chosen": "rows: no rule reproduced the batch's loss"}
+
+
+def _observe(kind) -> Observation:
+    from matrix.precisions import PRECISIONS
+
+    cpu, fp32 = torch.device("cpu"), PRECISIONS["fp32"]
+    try:
+        with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="matrix-observe-") as scratch:
+            workdir = Path(scratch)
+            model = kind.build(fp32, cpu, workdir)
+            created_in_eval_mode = not model.training
+            batch = kind.batch(cpu)
+            parameters = list(model.parameters())
+            dropout = tuple(
+                f"{name} (p={module.p:g})"
+                for name, module in model.named_modules()
+                if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+            )
+            model.train()
+            first, second = _probe_losses(kind, model, batch)
+            model.eval()
+            rule, evidence = _loss_item_rule(kind, model, batch)
+            # what a *-loaded-* precision trains: the kind's checkpoint of its fp32 weights, read
+            # back with its load_weights() (from_pretrained() returns eval mode), as build() does
+            loaded = kind.build(dataclasses.replace(fp32, name="fp32-loaded", weights_from="load"), cpu, workdir)
+            return Observation(
+                kind=kind.name,
+                parameters=sum(p.numel() for p in parameters),
+                trainable_parameters=sum(p.numel() for p in parameters if p.requires_grad),
+                layer_norm_modules=sum(isinstance(m, nn.LayerNorm) for m in model.modules()),
+                dropout_modules=dropout,
+                stochastic_training_forward=first != second,
+                created_in_eval_mode=created_in_eval_mode,
+                loaded_in_eval_mode=not loaded.training,
+                origin=_origin(model),
+                embeddings_in_no_split_module=_no_split_module_around_embeddings(model),
+                unmapped_loss_type=_unmapped_loss_type(model),
+                largest_trainable_magnitude=max(
+                    (p.detach().abs().median().item() for p in parameters if p.requires_grad), default=0.0
+                ),
+                loss_items=rule,
+                loss_items_evidence=evidence,
+            )
+    except Exception as exc:  # recorded in every cell's report; the cell itself then fails on its own
+        return Observation(kind=kind.name, error=f"{type(exc).__name__}: {exc}")

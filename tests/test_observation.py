@@ -1,0 +1,113 @@
+"""What the harness observes on a model kind instead of asking it (matrix/observation.py), held
+against the built-in kinds (the declarations they used to make) and against kinds written as a
+user writes them: tests/plugins/user_gpt2.py (module dropout, right padding, -100 labels) and a
+decoder whose only dropout is functional (attention_dropout)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from matrix import observation
+from matrix.models import MODELS
+from matrix.models.tiny_llama import TinyLlama
+from matrix.observation import effective_traits, observe
+from matrix.selection import model_traits
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@pytest.fixture(scope="module")
+def user_gpt2():
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        module = importlib.import_module("user_gpt2")
+    finally:
+        sys.path.remove(str(PLUGINS))
+    kind = module.UserGPT2()  # not registered: observation needs no registry
+    return kind, module
+
+
+# What the built-in kinds declared by hand before their traits were observed: observation must
+# give the same answer, so no catalogue entry selects another cell than it did.
+DECLARED_BEFORE = {
+    "tiny-transformer": {"full-weights", "layer-norm"},
+    "tiny-llama": {"full-weights", "loaded-from-pretrained"},
+    "gemma-cache": {"full-weights", "loaded-from-pretrained"},
+    "lora": {"adapters"},
+}
+
+
+@pytest.mark.parametrize("model", sorted(DECLARED_BEFORE))
+def test_the_built_in_kinds_are_observed_as_they_used_to_declare(model):
+    kind = MODELS[model]
+    assert kind.traits is None  # nothing declared any more
+    found = observe(kind)
+    assert found.error is None
+    assert found.traits == DECLARED_BEFORE[model]
+    assert model_traits(model) == found.traits  # what catalogue selectors match
+
+
+def test_the_causal_lms_loss_averages_over_next_token_labels():
+    kind = MODELS["tiny-llama"]
+    batch = kind.batch(torch.device("cpu"))
+    assert observe(kind).loss_items == "next-token labels"
+    assert kind.loss_items(batch) == int((batch["labels"][:, 1:] != -100).sum())
+    assert kind.loss_items({k: v[:1] for k, v in batch.items()}) == int((batch["labels"][:1, 1:] != -100).sum())
+
+
+def test_a_users_decoder_with_module_dropout_right_padding_and_ignored_labels(user_gpt2):
+    kind, module = user_gpt2
+    found = observe(kind)
+    assert found.error is None
+    assert found.traits == {"full-weights", "layer-norm", "dropout", "loaded-from-pretrained", "unmapped-loss-type"}
+    assert found.unmapped_loss_type == "GPT2LMHeadModel"
+    assert found.stochastic_training_forward
+    assert "transformer.drop (p=0.1)" in found.dropout_modules
+    assert not found.created_in_eval_mode and found.loaded_in_eval_mode  # GPT2LMHeadModel(config) vs from_pretrained
+    # GPT-2 shifts its labels: each row scores length - 1 tokens, not length and not the rows
+    assert found.loss_items == "next-token labels"
+    batch = kind.batch(torch.device("cpu"))
+    assert kind.loss_items(batch) == sum(length - 1 for length in module.LENGTHS)
+    assert found.loss_items_evidence["next-token labels"] <= observation.LOSS_ITEMS_RTOL
+
+
+class FunctionalDropoutLlama(TinyLlama):
+    """Llama's attention applies its dropout as a function of attention_dropout: no nn.Dropout."""
+
+    name = "functional-dropout-llama"
+    grid_variant = TinyLlama.grid_variant.replace(dropout=0.2)
+
+
+def test_functional_dropout_is_seen_by_its_effect_not_by_its_modules():
+    found = observe(FunctionalDropoutLlama())
+    assert found.dropout_modules == ()
+    assert found.stochastic_training_forward and "dropout" in found.traits
+    assert not observe(MODELS["tiny-llama"]).stochastic_training_forward
+
+
+class DeclaringLlama(TinyLlama):
+    name = "declaring-llama"
+    traits = frozenset({"full-weights"})
+
+
+def test_a_kind_may_still_declare_its_traits_and_the_report_keeps_both():
+    kind = DeclaringLlama()
+    assert effective_traits(kind) == {"full-weights"}
+    assert "loaded-from-pretrained" in observe(kind).traits  # observed all the same, and recorded
+
+
+class UnsaveableLlama(TinyLlama):
+    name = "unsaveable-llama"
+
+    def save(self, model, directory):
+        raise OSError("disk full")
+
+
+def test_an_observation_that_fails_is_recorded_with_its_error_and_selects_nothing():
+    found = observe(UnsaveableLlama())
+    assert found.error == "OSError: disk full"
+    assert found.traits == frozenset()
+    assert found.as_dict()["error"] == "OSError: disk full"
