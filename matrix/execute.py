@@ -28,6 +28,7 @@ from matrix.engines import ENGINES
 from matrix.models import MODELS
 from matrix.phases import PHASE_NAMES, CellState
 from matrix.precisions import PRECISIONS, PolicyContradiction, validate
+from matrix.results.metrics import CellMetrics
 from matrix.results.records import CellRecord, known_failure_record
 from matrix.signatures import Signature, signature_of
 from matrix.variants import Variant
@@ -45,7 +46,7 @@ class CellResult:
     traceback: str | None = None
     duration_s: float = 0.0
     phases: dict[str, str] = field(default_factory=dict)  # phase -> passed | failed | not run
-    metrics: dict = field(default_factory=dict)
+    metrics: CellMetrics = field(default_factory=CellMetrics)
 
 
 def _record_failure(result: CellResult, phase: str, exc: BaseException) -> None:
@@ -84,20 +85,20 @@ def run_cell(
         precision=precision,
         device=DEVICES[cell.device].torch_device(device_index),
         workdir=workdir,
-        metrics={"declared": precision.settings()},
+        metrics=CellMetrics(declared=precision.settings()),
         deadline=None if timeout_s is None else time.monotonic() + DEADLINE_SHARE * timeout_s,
     )
     if variant is not None:
-        state.metrics["variant"] = kind.variant.only(kind.variant_fields)
+        state.metrics.variant = kind.variant.only(kind.variant_fields)
     engine = ENGINES[cell.engine]
-    state.metrics["engine_settings"] = engine.settings(precision)
+    state.metrics.engine_settings = engine.settings(precision)
     phases = engine.phases(cell.mode)
     names = PHASE_NAMES[cell.mode]
     result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
     result.phases = {name: "not run" for name in names}
     start = time.perf_counter()
     if precision.contradictions():
-        state.metrics["policy_contradictions"] = precision.contradictions()
+        state.metrics.policy_contradictions = precision.contradictions()
         if not run_contradictory:
             try:
                 validate(precision)

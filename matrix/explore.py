@@ -294,7 +294,7 @@ def exploration_record(exploration: Exploration, catalogue: Catalogue) -> dict:
                 "needed": finding.needed,
                 "replay": finding.replay,
                 "repro": finding.repro,
-                "metrics": finding.result.metrics,
+                "metrics": finding.result.metrics.as_dict(),
             }
         )
     budget = exploration.budget

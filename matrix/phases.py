@@ -16,6 +16,8 @@ from matrix.cell import Cell
 from matrix.devices import DEVICES, Device
 from matrix.models import ModelKind
 from matrix.precisions import PRECISIONS, Precision, dtype_name
+from matrix.results import metrics as records
+from matrix.results.metrics import UNSET, CellMetrics, given
 from matrix.signatures import signature_of
 from matrix.tolerances import (
     CHECKPOINT_ROUND_TRIP,
@@ -53,7 +55,7 @@ class CellState:
     precision: Precision
     device: torch.device
     workdir: Path
-    metrics: dict
+    metrics: CellMetrics  # what the phases measured: the cell record's metrics
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     scaler: torch.amp.GradScaler | None = None
@@ -81,10 +83,10 @@ class CellState:
         return torch.inference_mode() if self.kind.variant.eval_grad_mode == "inference_mode" else torch.no_grad()
 
     def build(self) -> None:
-        self.metrics["kind"] = kind_record(self.kind)
+        self.metrics.kind = kind_record(self.kind)
         self.model = self.kind.build(self.precision, self.device, self.workdir)
         self.batch = self.kind.batch(self.device)
-        self.metrics["effective"] = effective_settings(self)
+        self.metrics.effective = effective_settings(self)
         watch_first_forward(self, self.model)
         seed_first_training_forward(self, self.model)
         checks.check_dtypes(self.kind.precision_weights(self.model), self.precision.weights_dtype, "after build")
@@ -94,7 +96,7 @@ class CellState:
         """AdamW's learning rate in every engine: the kind's own, else the one calibrated for it
         (matrix/learning_rate.py); recorded in the cell's metrics."""
         established = kind_learning_rate(self.kind)
-        self.metrics["learning_rate"] = established.as_dict()
+        self.metrics.learning_rate = records.LearningRate.from_dict(established.as_dict())
         return established.value
 
     def new_optimizer(self, model) -> torch.optim.Optimizer:
@@ -122,7 +124,7 @@ class Fp32Training:
             precision=PRECISIONS["fp32"],
             device=cpu,
             workdir=workdir,
-            metrics={},
+            metrics=CellMetrics(),
             batch=kind.batch(cpu),
         )
 
@@ -172,20 +174,20 @@ def kind_traits(kind) -> frozenset[str]:
     return frozenset(traits)
 
 
-def kind_record(kind) -> dict:
+def kind_record(kind) -> records.KindRecord:
     """What the report records of the cell's model kind: the traits catalogue selectors match,
     the ones it declares (None: observed), and what was observed (matrix/observation.py)."""
     from matrix.observation import observe
 
     declared = getattr(kind, "traits", None)
-    return {
-        "traits": sorted(kind_traits(kind)),
-        "declared_traits": sorted(declared) if declared is not None else None,
-        "observed": observe(kind).as_dict(),
-    }
+    return records.KindRecord(
+        traits=sorted(kind_traits(kind)),
+        declared_traits=sorted(declared) if declared is not None else None,
+        observed=observe(kind).as_dict(),
+    )
 
 
-def effective_settings(state: CellState) -> dict:
+def effective_settings(state: CellState) -> records.Effective:
     """What is actually in force, not only what the precision's name promises."""
     dtypes: dict[str, int] = {}
     trainable: dict[str, int] = {}
@@ -197,13 +199,13 @@ def effective_settings(state: CellState) -> dict:
         autocast_on = torch.is_autocast_enabled(state.device_type)
         autocast_dtype = torch.get_autocast_dtype(state.device_type) if autocast_on else None
     scaler = state.precision.make_grad_scaler(state.device_type)
-    return {
-        "parameter_dtypes": dtypes,
-        "trainable_parameter_dtypes": trainable,
-        "autocast_dtype": dtype_name(autocast_dtype) if autocast_dtype else None,
-        "grad_scaler": scaler is not None and scaler.is_enabled(),
-        "device": str(state.device),
-    }
+    return records.Effective(
+        parameter_dtypes=dtypes,
+        trainable_parameter_dtypes=trainable,
+        autocast_dtype=dtype_name(autocast_dtype) if autocast_dtype else None,
+        grad_scaler=scaler is not None and scaler.is_enabled(),
+        device=str(state.device),
+    )
 
 
 def watch_first_forward(state: CellState, model) -> None:
@@ -224,8 +226,8 @@ def watch_first_forward(state: CellState, model) -> None:
             return
         enabled = torch.is_autocast_enabled(state.device_type)
         dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
-        state.metrics["effective"]["autocast_dtype_in_forward"] = dtype_name(dtype) if dtype else None
-        state.metrics["effective"]["first_linear_input_dtype"] = next(
+        state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
+        state.metrics.effective.first_linear_input_dtype = next(
             (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
         )
         handle.remove()
@@ -247,7 +249,7 @@ def seed_first_training_forward(state: CellState, model) -> None:
     def seed(module, args):
         if module is model and not state.engine_state.get(HOOKS_PAUSED):
             # a library may leave a model in eval mode while training it (dropout off): recorded
-            state.metrics["effective"]["model_training_in_first_forward"] = module.training
+            state.metrics.effective.model_training_in_first_forward = module.training
             if module.training:
                 torch.manual_seed(FIRST_FORWARD_SEED)
             handle.remove()
@@ -286,21 +288,21 @@ def check_against_fp32(state: CellState, result, label: str, model=None) -> None
     value = checks.check_finite_loss(result.loss, f"{label} loss")
     ref_value = checks.check_finite_loss(reference.loss, f"fp32 reference {label} loss")
     tolerance = eval_loss_tolerance(state.cell.model, state.precision.compute_dtype)
-    state.metrics.update(
-        {
-            "eval_loss": value,
-            "fp32_reference_loss": ref_value,
-            "fp32_deviation_abs": abs(value - ref_value),
-            "fp32_deviation_rel": abs(value - ref_value) / abs(ref_value) if ref_value else None,
-            "fp32_tolerance": tolerance.as_dict(),
-            "eval_logits_dtype": dtype_name(result.logits.dtype),
-            **({"eval_" + k: v for k, v in result.extras.items()}),
-            **position_deviations(result.logits, reference.logits, state.batch.get("attention_mask")),
-        }
-    )
+    metrics = state.metrics
+    metrics.eval_loss = value
+    metrics.fp32_reference_loss = ref_value
+    metrics.fp32_deviation_abs = abs(value - ref_value)
+    metrics.fp32_deviation_rel = abs(value - ref_value) / abs(ref_value) if ref_value else None
+    metrics.fp32_tolerance = records.Tolerance(**tolerance.as_dict())
+    metrics.eval_logits_dtype = dtype_name(result.logits.dtype)
+    for name, extra in result.extras.items():  # a model's extras have fields: eval_cache_type
+        setattr(metrics, "eval_" + name, extra)
+    deviations = position_deviations(result.logits, reference.logits, state.batch.get("attention_mask"))
+    for name, deviation in deviations.items():
+        setattr(metrics, name, deviation)
     if result.generated is not None:
-        state.metrics["generated_tokens"] = result.generated.shape[-1] - state.batch["input_ids"].shape[-1]
-        state.metrics["generation_matches_fp32"] = reference.generated is not None and torch.equal(
+        metrics.generated_tokens = result.generated.shape[-1] - state.batch["input_ids"].shape[-1]
+        metrics.generation_matches_fp32 = reference.generated is not None and torch.equal(
             result.generated, reference.generated
         )
     checks.check_within_tolerance(f"{label} loss", value, ref_value, tolerance)
@@ -369,7 +371,7 @@ def train_until_applied(state: CellState, step, steps: int) -> list[float]:
         loss, applied = step()
         losses.append(loss)
         skipped += not applied
-    state.metrics["steps_skipped_by_grad_scaler"] = state.metrics.get("steps_skipped_by_grad_scaler", 0) + skipped
+    state.metrics.steps_skipped_by_grad_scaler = given(state.metrics.steps_skipped_by_grad_scaler, 0) + skipped
     return losses
 
 
@@ -454,8 +456,8 @@ def record_library_steps(state: CellState, optimizer, library_steps: int) -> Non
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps one
     counts = [int(entry["step"]) for entry in inner.state.values() if "step" in entry]
     applied = max(counts, default=0)
-    state.metrics["optimizer_steps_applied"] = applied
-    state.metrics["steps_skipped_by_grad_scaler"] = library_steps - applied
+    state.metrics.optimizer_steps_applied = applied
+    state.metrics.steps_skipped_by_grad_scaler = library_steps - applied
 
 
 def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> None:
@@ -464,7 +466,7 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
     try:
         reference = torch_engine_loss(state, mode)
     except Exception as exc:  # the yardstick itself fails: that is the torch engine cell's finding
-        state.metrics["cross_engine"] = {"torch_engine_error": signature_of("torch engine", exc).text}
+        state.metrics.cross_engine = records.CrossEngine(torch_engine_error=signature_of("torch engine", exc).text)
         return
     tolerance = eval_loss_tolerance(state.cell.model, state.precision.compute_dtype)
     key = {"train": "first_step_loss", "eval": "eval_loss", DROPOUT_OFF: "first_step_loss_dropout_off"}[mode]
@@ -477,13 +479,12 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
             "dropout masks than the whole batch in one process"
         ),
     }[mode]
-    state.metrics["cross_engine"] = {
-        f"{key}": loss,
-        f"torch_engine_{key}": reference,
-        "spread_abs": abs(loss - reference),
-        "tolerance": tolerance.as_dict(),
-        "random_numbers": random_numbers,
-    }
+    state.metrics.cross_engine = records.CrossEngine(
+        spread_abs=abs(loss - reference),
+        tolerance=records.Tolerance(**tolerance.as_dict()),
+        random_numbers=random_numbers,
+        **{key: loss, f"torch_engine_{key}": reference},
+    )
     checks.check_engine_agreement(key.replace("_", " "), loss, reference, tolerance)
 
 
@@ -491,7 +492,7 @@ def resume_one_step(state: CellState, step) -> None:
     """One more applied optimizer step on the reloaded model and optimizer; it must move the weights."""
     state.model.train()
     before = snapshot_trainable(state.model)
-    state.metrics["resumed_losses"] = train_until_applied(state, step, 1)
+    state.metrics.resumed_losses = train_until_applied(state, step, 1)
     checks.check_parameters_changed(before, state.model)
 
 
@@ -526,7 +527,9 @@ def return_from_library_device(state: CellState, model, library_device: torch.de
     found = sorted(set(checks.tensor_devices(model).values()))
     if library_device != state.device and found == [str(library_device)]:
         model.to(state.device)
-        state.metrics.setdefault("placement_restored", []).append(
+        if state.metrics.placement_restored is UNSET:
+            state.metrics.placement_restored = []
+        state.metrics.placement_restored.append(
             {"after": when, "by": by, "found_on": str(library_device), "moved_back_to": str(state.device)}
         )
     checks.check_placement(model, state.device, f"after {when}")
@@ -544,7 +547,7 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     `weights_check(model, when)`: for an engine whose library declares other weight dtypes than
     the precision's (accelerate's FSDP2 keeps fp32 master weights), that declaration's check."""
     checks.check_placement(model, state.device, "after training")
-    checks.check_trained_in_train_mode(state.metrics["effective"].get("model_training_in_first_forward"))
+    checks.check_trained_in_train_mode(given(state.metrics.effective.model_training_in_first_forward))
     checks.check_finite_parameters(list(model.named_parameters()), "after training")
     checks.check_parameters_changed(trainable_before, model)
     checks.check_same_dtypes(dtypes_before, model, "after training")
@@ -560,14 +563,13 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     if state.kind.variant != state.kind.grid_variant:
         # the bound was established on the grid's settings only: a variant (exploration) records
         # its fall unchecked (a drawn LoRA with rank 1 and hidden size 8 falls less in fp32)
-        state.metrics["loss_decrease"] = {**measured, "bound_relative": None, "judged_by": "unchecked: a variant"}
+        unchecked = records.LossDecrease(**measured, bound_relative=None, judged_by="unchecked: a variant")
+        state.metrics.loss_decrease = unchecked
         return
     bound, judged_by = loss_fall_bound(state)
-    state.metrics["loss_decrease"] = {
-        **measured,
-        "bound_relative": None if bound is None else bound.min_relative,
-        "judged_by": judged_by,
-    }
+    state.metrics.loss_decrease = records.LossDecrease(
+        **measured, bound_relative=None if bound is None else bound.min_relative, judged_by=judged_by
+    )
     if bound is None:
         return
     if is_fp32_twin(state.precision):
@@ -610,6 +612,6 @@ def check_reload(state: CellState, reloaded, evaluate=None, saved=None) -> None:
     """
     checks.check_same_dtypes(checks.tensor_dtypes(saved or state.model), reloaded, "after reload")
     outputs = (evaluate or evaluate_in_precision)(state, reloaded).logits
-    state.metrics["reload_max_abs_difference"] = checks.check_outputs_equal(
+    state.metrics.reload_max_abs_difference = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP
     )

@@ -468,7 +468,7 @@ class Recorder:
             **DEVICES[cell.device].placement(device_index(self.config)),
         }
         if RESULT_PROPERTY in properties and report.when == "call":
-            self.run.store(CellRecord(**properties[RESULT_PROPERTY]))
+            self.run.store(CellRecord.from_dict(properties[RESULT_PROPERTY]))
         elif report.skipped and cell.id not in records:
             self.run.store(skipped_record(cell, skip_reason_of(report), **common))
         elif report.failed and (cell.id not in records or records[cell.id]["outcome"] == "passed"):

@@ -22,6 +22,7 @@ from matrix.models import MODELS, ModelKind
 from matrix.packages import PINNED_IN_REPRO
 from matrix.phases import MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS, kind_learning_rate
 from matrix.precisions import PRECISIONS
+from matrix.results.metrics import CellMetrics
 from matrix.selection import cell_from_id
 from matrix.variants import InvalidVariant
 from matrix.variants import from_json as variant_from_json
@@ -142,8 +143,8 @@ if __name__ == "__main__":
 def learning_rate_of(kind, record: dict | None) -> float:
     """The rate the cell trained at: as its run recorded it, else the kind's (declared or
     calibrated, matrix/learning_rate.py)."""
-    recorded = ((record or {}).get("metrics") or {}).get("learning_rate")
-    return recorded["value"] if recorded else kind_learning_rate(kind).value
+    recorded = CellMetrics.from_dict((record or {}).get("metrics") or {}).learning_rate
+    return recorded.value if recorded else kind_learning_rate(kind).value
 
 
 def generate(cell_id: str, run: Path | None = None, variant: str | None = None) -> str:

@@ -112,20 +112,20 @@ def test_steps_a_grad_scaler_skipped_are_counted_and_the_fall_is_still_measured(
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     result = execute.run_cell(Cell("gemma-cache", "fp32", "train", "cpu", engine), tmp_path)
     assert result.outcome == "passed", result.message
-    losses = result.metrics["train_losses"]
+    losses = result.metrics.train_losses
     assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # nothing applied before the last step
-    assert result.metrics["steps_skipped_by_grad_scaler"] == 2
-    assert result.metrics["optimizer_steps_applied"] == 1
-    fall = result.metrics["loss_decrease"]
-    assert fall["loss_before_training"] == pytest.approx(losses[0], rel=1e-6)
-    assert fall["relative"] > fall["bound_relative"]  # the one applied step, measured after training
+    assert result.metrics.steps_skipped_by_grad_scaler == 2
+    assert result.metrics.optimizer_steps_applied == 1
+    fall = result.metrics.loss_decrease
+    assert fall.loss_before_training == pytest.approx(losses[0], rel=1e-6)
+    assert fall.relative > fall.bound_relative  # the one applied step, measured after training
 
 
 def test_every_built_in_kind_learns_in_fp32_by_more_than_the_bound(tmp_path):
     for model in ("tiny-transformer", "tiny-llama", "lora", "gemma-cache"):
         result = execute.run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / model)
         assert result.outcome == "passed", result.message
-        fallen = result.metrics["loss_decrease"]["relative"]
+        fallen = result.metrics.loss_decrease.relative
         assert fallen >= 2 * tolerances.loss_decrease_bound(model).min_relative, (model, fallen)
 
 

@@ -16,6 +16,7 @@ import pytest
 from matrix import rank_pool
 from matrix.cell import Cell
 from matrix.execute import run_cell
+from matrix.results.metrics import CellMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -103,11 +104,11 @@ def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine,
     """The loss of the first step is the whole batch's mean, from two ranks' halves."""
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", engine), tmp_path, timeout_s=120)
     assert result.outcome == "passed", result.traceback
-    ranks = result.metrics["distributed"]["rank_first_step_losses"]
-    cross = result.metrics["cross_engine"]
+    ranks = result.metrics.distributed.rank_first_step_losses
+    cross = result.metrics.cross_engine
     assert len(ranks) == 2 and ranks[0] != ranks[1]  # each rank saw other rows
-    assert cross["spread_abs"] <= 1e-5
-    assert result.metrics["distributed"]["backend"] == "gloo"
+    assert cross.spread_abs <= 1e-5
+    assert result.metrics.distributed.backend == "gloo"
 
 
 def test_a_cell_failing_in_a_rank_records_the_ranks_own_traceback(tmp_path):
@@ -269,18 +270,16 @@ def test_accelerate_fsdp2_keeps_fp32_master_weights_of_half_loaded_weights_and_s
         Cell("tiny-llama", "bf16-loaded-mixed", "train", "cpu", "accelerate-fsdp2"), tmp_path, timeout_s=120
     )
     assert result.outcome == "passed", result.traceback
-    assert result.metrics["declared"]["weights_dtype"] == "bfloat16"
-    effective = result.metrics["engine_effective"]
+    assert result.metrics.declared["weights_dtype"] == "bfloat16"
+    effective = result.metrics.engine_effective
     assert effective["trained_parameter_dtypes_after_prepare"] == ["float32"]
-    assert set(result.metrics["effective"]["trainable_parameter_dtypes"]) == {"bfloat16"}  # FSDP's param_dtype
+    assert set(result.metrics.effective.trainable_parameter_dtypes) == {"bfloat16"}  # FSDP's param_dtype
     assert effective["fsdp_selected_by"].startswith("the matrix (accelerate leaves a cpu group")
     assert effective["mp_policy"]["param_dtype"] == "bfloat16"
-    assert result.metrics["dcp_reload_max_abs_difference"] == 0.0
-    ranks, cross = result.metrics["distributed"]["rank_first_step_losses"], result.metrics["cross_engine"]
+    assert result.metrics.dcp_reload_max_abs_difference == 0.0
+    ranks, cross = result.metrics.distributed.rank_first_step_losses, result.metrics.cross_engine
     assert len(ranks) == 2 and ranks[0] != ranks[1]  # each rank saw other rows
-    assert cross["spread_abs"] <= cross["tolerance"]["atol"] + cross["tolerance"]["rtol"] * abs(
-        cross["torch_engine_first_step_loss"]
-    )
+    assert cross.spread_abs <= cross.tolerance.atol + cross.tolerance.rtol * abs(cross.torch_engine_first_step_loss)
 
 
 def test_a_no_op_upcast_breaks_accelerates_declared_master_weights():
@@ -291,7 +290,7 @@ def test_a_no_op_upcast_breaks_accelerates_declared_master_weights():
     from matrix.checks import DtypeContractBroken
     from matrix.engines.accelerate_fsdp2 import check_declared_dtypes
 
-    state = SimpleNamespace(metrics={"engine_settings": {"mixed_precision": "bf16"}})
+    state = SimpleNamespace(metrics=CellMetrics(engine_settings={"mixed_precision": "bf16"}))
 
     model = torch.nn.Linear(2, 2).to(torch.bfloat16)
     broken = r"trained parameters .*: weights are torch.bfloat16, not torch.float32"

@@ -82,17 +82,17 @@ def test_a_precision_an_engine_cannot_express_is_skipped_with_its_reason():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Requires: [no CUDA device] (CPU-only substitutions)")
 def test_lightning_records_that_it_ran_16_mixed_as_bf16_on_cpu(tmp_path):
     result = run_cell(Cell("tiny-llama", "fp16-mixed", "train", "cpu", "lightning"), tmp_path)
-    assert result.metrics["engine_settings"] == {"precision": "16-mixed"}
-    assert result.metrics["engine_effective"]["precision"] == "bf16-mixed"
-    assert result.metrics["effective"]["autocast_dtype_in_forward"] == "bfloat16"
+    assert result.metrics.engine_settings == {"precision": "16-mixed"}
+    assert result.metrics.engine_effective["precision"] == "bf16-mixed"
+    assert result.metrics.effective.autocast_dtype_in_forward == "bfloat16"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Requires: [no CUDA device] (CPU-only substitutions)")
 def test_accelerate_records_that_it_ran_fp16_without_autocast_on_cpu(tmp_path):
     result = run_cell(Cell("tiny-llama", "fp16-mixed", "eval", "cpu", "accelerate"), tmp_path)
     assert result.outcome == "passed", result.message
-    assert result.metrics["engine_effective"]["mixed_precision"] == "fp16"
-    assert result.metrics["effective"]["autocast_dtype_in_forward"] is None
+    assert result.metrics.engine_effective["mixed_precision"] == "fp16"
+    assert result.metrics.effective.autocast_dtype_in_forward is None
 
 
 def test_trainer_failures_are_attributed_to_the_phase_the_trainer_was_in(tmp_path):
@@ -108,8 +108,8 @@ def test_trainer_failures_are_attributed_to_the_phase_the_trainer_was_in(tmp_pat
 def test_engines_agree_with_the_torch_engine_on_the_first_step(engine, tmp_path):
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", engine), tmp_path)
     assert result.outcome == "passed", result.message
-    agreement = result.metrics["cross_engine"]
-    assert agreement["spread_abs"] <= 1e-5
+    agreement = result.metrics.cross_engine
+    assert agreement.spread_abs <= 1e-5
     assert all(state == "passed" for state in result.phases.values())
 
 
@@ -154,10 +154,10 @@ def test_with_dropout_the_first_step_agrees_with_the_torch_engine(model, engine,
     variant = MODELS[model].grid_variant.replace(dropout=DROPOUT)
     result = run_cell(Cell(model, "fp32", "train", "cpu", engine), tmp_path, variant=variant)
     assert result.outcome == "passed", result.message
-    compared = result.metrics["cross_engine"]
-    assert compared["spread_abs"] == 0.0 and compared["random_numbers"].startswith("seeded with")
+    compared = result.metrics.cross_engine
+    assert compared.spread_abs == 0.0 and compared.random_numbers.startswith("seeded with")
     torch_run = run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / "torch", variant=variant)
-    assert torch_run.metrics["train_losses"][0] == result.metrics["train_losses"][0]
+    assert torch_run.metrics.train_losses[0] == result.metrics.train_losses[0]
 
 
 @pytest.mark.parametrize(("dropout", "outcome"), [(DROPOUT, "failed"), (0.0, "passed")])

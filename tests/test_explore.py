@@ -55,7 +55,7 @@ def test_drawn_variants_build_and_run_in_fp32(model, mode, tmp_path_factory):
         result = run_cell(Cell(model, "fp32", mode, "cpu"), tmp_path_factory.mktemp("v"), variant=variant)
         if result.outcome != "passed":
             failures.append((variant, result.message))
-        assert result.metrics["variant"] == variant.only(MODELS[model].variant_fields)
+        assert result.metrics.variant == variant.only(MODELS[model].variant_fields)
 
     runs_in_fp32()
     assert not failures, failures

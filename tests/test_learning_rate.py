@@ -67,12 +67,12 @@ def test_fp32_that_does_not_learn_is_one_finding_on_the_fp32_cells(fresh_rates, 
     assert fp32.signature.exc_type == "matrix.checks.LossNotDecreasing"
     assert "fp32 training did not lower the loss by the bound" in fp32.signature.text
     assert "learning rate 1e-07" in fp32.message
-    assert fp32.metrics["learning_rate"]["source"] == "declared"
+    assert fp32.metrics.learning_rate.source == "declared"
     # every other precision records its fall unchecked, naming why, instead of failing for fp32
     other = run_cell(Cell("slow-llama", "bf16-mixed", "train", "cpu", "torch"), tmp_path / "bf16")
     assert other.outcome == "passed", other.message
-    assert other.metrics["loss_decrease"]["bound_relative"] is None
-    assert other.metrics["loss_decrease"]["judged_by"].startswith("unchecked: the fp32 twin does not learn")
+    assert other.metrics.loss_decrease.bound_relative is None
+    assert other.metrics.loss_decrease.judged_by.startswith("unchecked: the fp32 twin does not learn")
 
 
 def test_a_precision_that_learns_less_than_its_fp32_twin_fails(monkeypatch, tmp_path):
@@ -84,17 +84,17 @@ def test_a_precision_that_learns_less_than_its_fp32_twin_fails(monkeypatch, tmp_
     assert result.outcome == "failed" and result.phase == "train_steps"
     assert result.signature.exc_type == "matrix.checks.LossNotDecreasing"
     assert "fell less than its fp32 twin's bound" in result.signature.text
-    assert result.metrics["train_losses"][0] > result.metrics["train_losses"][-1]  # it fell, a little
-    fall = result.metrics["loss_decrease"]
+    assert result.metrics.train_losses[0] > result.metrics.train_losses[-1]  # it fell, a little
+    fall = result.metrics.loss_decrease
     twin = phases.kind_learning_rate(MODELS["tiny-llama"]).fp32_fall.relative
-    assert fall["bound_relative"] == pytest.approx(LOSS_FALL_VS_FP32 * twin)
-    assert 0 < fall["relative"] < fall["bound_relative"]
-    assert "fp32 twin" in fall["judged_by"]
-    assert fall["loss_before_training"] == pytest.approx(result.metrics["train_losses"][0], rel=1e-6)
+    assert fall.bound_relative == pytest.approx(LOSS_FALL_VS_FP32 * twin)
+    assert 0 < fall.relative < fall.bound_relative
+    assert "fp32 twin" in fall.judged_by
+    assert fall.loss_before_training == pytest.approx(result.metrics.train_losses[0], rel=1e-6)
 
 
 def test_a_passing_precision_records_its_rate_and_the_twin_it_was_judged_by(tmp_path):
     result = run_cell(Cell("tiny-llama", "bf16-mixed", "train", "cpu", "torch"), tmp_path)
     assert result.outcome == "passed", result.message
-    assert result.metrics["learning_rate"]["value"] == 1e-2
-    assert result.metrics["loss_decrease"]["relative"] >= result.metrics["loss_decrease"]["bound_relative"] > 0.05
+    assert result.metrics.learning_rate.value == 1e-2
+    assert result.metrics.loss_decrease.relative >= result.metrics.loss_decrease.bound_relative > 0.05

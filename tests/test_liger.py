@@ -97,7 +97,7 @@ def test_a_liger_cell_trains_under_bf16_autocast_through_liger(engine, tmp_path)
         assert result.signature.message == "mat1 and mat2 must have the same dtype, but got BFloat16 and Float"
         return
     assert result.outcome == "passed", result.message
-    assert result.metrics["effective"]["autocast_dtype_in_forward"] == "bfloat16"
+    assert result.metrics.effective.autocast_dtype_in_forward == "bfloat16"
 
 
 def liger_loss_and_gradients(model, autocast: bool):

@@ -19,17 +19,17 @@ def test_gemma_has_sliding_and_global_layers_and_a_window_the_batch_exceeds():
 def test_gemma_eval_uses_the_kv_cache_and_generates(tmp_path):
     result = run_cell(Cell("gemma-cache", "fp32", "eval", "cpu"), tmp_path)
     assert result.outcome == "passed", result.message
-    assert result.metrics["eval_cache_type"].endswith("Cache")
-    assert result.metrics["generated_tokens"] == 4
-    assert result.metrics["generation_matches_fp32"] is True
+    assert result.metrics.eval_cache_type.endswith("Cache")
+    assert result.metrics.generated_tokens == 4
+    assert result.metrics.generation_matches_fp32 is True
 
 
 def test_lora_checkpoint_holds_adapters_only(tmp_path):
     result = run_cell(Cell("lora", "bf16-true", "train", "cpu"), tmp_path)
     assert result.outcome == "passed", result.message
-    assert "adapter_model.safetensors" in result.metrics["checkpoint_files"]
-    assert "model.safetensors" not in result.metrics["checkpoint_files"]
-    assert result.metrics["effective"]["trainable_parameter_dtypes"] == {"float32": 896}
+    assert "adapter_model.safetensors" in result.metrics.checkpoint_files
+    assert "model.safetensors" not in result.metrics.checkpoint_files
+    assert result.metrics.effective.trainable_parameter_dtypes == {"float32": 896}
 
 
 def test_encoder_batch_is_padded_with_a_key_padding_mask():
@@ -53,7 +53,7 @@ def test_every_model_passes_fp32_in_both_modes(tmp_path):
         for mode in ("train", "eval"):
             result = run_cell(Cell(name, "fp32", mode, "cpu"), tmp_path / f"{name}-{mode}")
             assert result.outcome == "passed", f"{name} {mode}: {result.message}"
-            assert result.metrics["fp32_deviation_abs"] == 0.0
+            assert result.metrics.fp32_deviation_abs == 0.0
             assert all(state == "passed" for state in result.phases.values())
-            assert set(result.metrics["effective"]["parameter_dtypes"]) == {"float32"}
-            assert PRECISIONS["fp32"].settings() == result.metrics["declared"]
+            assert set(result.metrics.effective.parameter_dtypes) == {"float32"}
+            assert PRECISIONS["fp32"].settings() == result.metrics.declared

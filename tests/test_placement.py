@@ -17,6 +17,7 @@ from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.phases import CellState, return_from_library_device
 from matrix.precisions import PRECISIONS
+from matrix.results.metrics import CellMetrics
 
 
 def test_a_model_partly_elsewhere_breaks_placement_naming_both_devices():
@@ -62,7 +63,7 @@ def test_a_library_that_moves_the_model_away_fails_the_cell_with_a_placement_sig
 def test_lightning_cells_on_the_cpu_stay_where_they_are(tmp_path):
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", "lightning"), tmp_path)
     assert result.outcome == "passed", result.message
-    assert "placement_restored" not in result.metrics  # Lightning's teardown moved nothing on a CPU
+    assert "placement_restored" not in result.metrics.as_dict()  # Lightning's teardown moved nothing on a CPU
 
 
 def lightning_cell_state(device: torch.device, workdir) -> CellState:
@@ -72,7 +73,7 @@ def lightning_cell_state(device: torch.device, workdir) -> CellState:
         precision=PRECISIONS["fp32"],
         device=device,
         workdir=workdir,
-        metrics={},
+        metrics=CellMetrics(),
     )
 
 
@@ -83,7 +84,7 @@ def test_the_move_a_library_is_known_to_make_is_undone_and_recorded(tmp_path):
     model = state.kind.initialise()  # where Lightning's teardown leaves it: on the CPU
     return_from_library_device(state, model, torch.device("cpu"), by="Lightning's strategy teardown", when="fit")
     assert set(checks.tensor_devices(model).values()) == {"meta"}
-    assert state.metrics["placement_restored"] == [
+    assert state.metrics.placement_restored == [
         {"after": "fit", "by": "Lightning's strategy teardown", "found_on": "cpu", "moved_back_to": "meta"}
     ]
 
@@ -93,4 +94,4 @@ def test_a_move_the_library_is_not_known_to_make_is_not_undone(tmp_path):
     model = state.kind.initialise().to("meta")
     with pytest.raises(checks.PlacementChanged, match=r"^after validate: the model is on meta"):
         return_from_library_device(state, model, torch.device("cpu"), by="teardown", when="validate")
-    assert "placement_restored" not in state.metrics
+    assert "placement_restored" not in state.metrics.as_dict()

@@ -42,9 +42,9 @@ def test_the_batch_is_the_real_tokenizer_on_real_sentences():
 def test_fp32_training_with_dropout_agrees_across_engines_and_learns(engine, tmp_path):
     result = run_cell(Cell("minilm-bert", "fp32", "train", "cpu", engine), tmp_path)
     assert result.outcome == "passed", result.message
-    assert result.metrics["loss_decrease"]["relative"] > 0.08  # 16% measured at lr 1e-4
+    assert result.metrics.loss_decrease.relative > 0.08  # 16% measured at lr 1e-4
     if engine != "torch":
-        assert result.metrics["cross_engine"]["spread_abs"] <= 1e-5
+        assert result.metrics.cross_engine.spread_abs <= 1e-5
 
 
 class UsersPretrainedLlama(TinyLlama):
@@ -63,14 +63,14 @@ def test_lightning_training_a_model_left_in_eval_mode_is_the_known_class_for_a_u
     registered(MODELS, kind)
     cell = Cell(kind.name, "fp32", "train", "cpu", "lightning")
     result = run_cell(cell, tmp_path)
-    assert result.metrics["effective"]["model_training_in_first_forward"] is False
+    assert result.metrics.effective.model_training_in_first_forward is False
     assert result.signature.exc_type == "matrix.checks.TrainedInEvalMode"
     in_force = catalogue.load().in_force(cell, environment.package_versions())
     outcome, entry = catalogue.classify(result.outcome, result.signature.text, in_force)
     assert (outcome, entry.id) == ("known", "lightning-keeps-from-pretrained-eval-mode")
     # the torch loop calls model.train() itself: the same kind trains with dropout on there
     torch_run = run_cell(Cell(kind.name, "fp32", "train", "cpu", "torch"), tmp_path / "torch")
-    assert torch_run.outcome == "passed" and torch_run.metrics["effective"]["model_training_in_first_forward"]
+    assert torch_run.outcome == "passed" and torch_run.metrics.effective.model_training_in_first_forward
 
 
 # ---------------------------------------------------------------- a user's own BERT

@@ -236,7 +236,7 @@ def test_a_record_keeps_at_most_the_traceback_limit():
     record = CellRecord.of(Cell("tiny-llama", "fp32", "eval", "cpu"), "failed", traceback=text)
     assert len(text) > 2 * crash_dump.TRACEBACK_LIMIT >= len(record.traceback)
     assert record.traceback.endswith("in frame_2999\n    call()\nRuntimeError: deep\n")
-    assert CellRecord(**record.as_dict()) == record  # read back (the plugin's way), it stays as it is
+    assert CellRecord.from_dict(record.as_dict()) == record  # read back (the plugin's way), it stays as it is
     harness = record_builders.harness_failure_record(
         Cell("tiny-llama", "fp32", "eval", "cpu"), "setup", "def test():\n>   fixture()\nE   OSError: disk full"
     )

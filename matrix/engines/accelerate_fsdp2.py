@@ -52,6 +52,7 @@ from matrix.phases import (
     train_until_applied,
 )
 from matrix.precisions import Precision, dtype_name
+from matrix.results.metrics import UNSET
 from matrix.tolerances import CHECKPOINT_ROUND_TRIP
 
 MIXED_PRECISION = {None: "no", "float16": "fp16", "bfloat16": "bf16"}
@@ -63,7 +64,7 @@ def _plugin(state: CellState, model):
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    settings = state.metrics["engine_settings"]
+    settings = state.metrics.engine_settings
     options: dict = {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"}
     if settings["mixed_precision_policy"] is not None:
         options["mixed_precision_policy"] = {
@@ -93,7 +94,7 @@ def _accelerator(state: CellState, context, model):
         OMP_NUM_THREADS=str(torch.get_num_threads()),
     )
     state.device_kind.activate(state.device)
-    settings = state.metrics["engine_settings"]
+    settings = state.metrics.engine_settings
     plugin = _plugin(state, model)
     accelerator = Accelerator(
         mixed_precision=settings["mixed_precision"], cpu=state.device.type == "cpu", fsdp_plugin=plugin
@@ -110,7 +111,7 @@ def _accelerator(state: CellState, context, model):
     if not accelerator.is_fsdp2:
         raise RuntimeError(f"accelerate did not take the FSDP2 path (distributed_type {accelerator.distributed_type})")
     policy = accelerator.state.fsdp_plugin.mixed_precision_policy
-    state.metrics["engine_effective"] = {
+    state.metrics.engine_effective = {
         "fsdp_selected_by": selected_by,
         "mixed_precision": accelerator.mixed_precision,
         "native_amp": accelerator.native_amp,
@@ -134,7 +135,7 @@ def _prepare(state: CellState, context, model):
     accelerator = _accelerator(state, context, model)
     dtypes = checks.tensor_dtypes(model)
     prepared, optimizer = accelerator.prepare(model, state.new_optimizer(model))
-    state.metrics["engine_effective"]["trained_parameter_dtypes_after_prepare"] = sorted(
+    state.metrics.engine_effective["trained_parameter_dtypes_after_prepare"] = sorted(
         {dtype_name(p.dtype) for p in prepared.parameters() if p.requires_grad}
     )
     check_declared_dtypes(state, prepared, dtypes, "after prepare")
@@ -146,7 +147,7 @@ def check_declared_dtypes(state: CellState, model, dtypes_before: dict, when: st
     master weights; without it, prepare leaves every dtype as it was."""
     import torch
 
-    if state.metrics["engine_settings"]["mixed_precision"] == "no":
+    if state.metrics.engine_settings["mixed_precision"] == "no":
         checks.check_same_dtypes(dtypes_before, model, when)
         return
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
@@ -159,7 +160,8 @@ def _step(state: CellState, context, model, optimizer) -> tuple[float, bool]:
     optimizer.zero_grad(set_to_none=True)
     loss = state.kind.loss(model, shard)  # autocast comes from the prepared forward
     value = checks.check_finite_loss(loss, "training loss")
-    state.metrics.setdefault("rank_first_step_loss", value)
+    if state.metrics.rank_first_step_loss is UNSET:
+        state.metrics.rank_first_step_loss = value
     accelerator.backward(loss * loss_weight(state, shard, context.world_size))
     optimizer.step()
     applied = not accelerator.optimizer_step_was_skipped
@@ -180,7 +182,7 @@ def rank_train_steps(state: CellState, context) -> None:
     # the prepared forward brings accelerate's autocast
     dropout_off = sharded_dropout_off_loss(state, context, state.model, autocast=False)
     losses = train_until_applied(state, lambda: _step(state, context, state.model, state.optimizer), TRAIN_STEPS)
-    state.metrics["train_losses"] = losses
+    state.metrics.train_losses = losses
     check_first_step(state, losses, dropout_off)
     check_training_contract(
         state,
@@ -226,8 +228,8 @@ def rank_checkpoint_save(state: CellState, context) -> None:
         saved.load_state_dict({k: v.to(state.device) for k, v in full.items()}, assign=True)
         state.kind.save(saved, directory)
     barrier()
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
-    state.metrics["accelerate_state_files"] = sorted(p.name for p in (shared / STATE_DIR).iterdir())
+    state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
+    state.metrics.accelerate_state_files = sorted(p.name for p in (shared / STATE_DIR).iterdir())
 
 
 def rank_checkpoint_reload(state: CellState, context) -> None:
@@ -240,7 +242,7 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
     resumed, optimizer = _prepare(state, context, fresh_model(state))
     state.engine_state["accelerator"].load_state(str(shared / STATE_DIR))
     outputs = _evaluate(state, context, resumed).logits
-    state.metrics["dcp_reload_max_abs_difference"] = checks.check_outputs_equal(
+    state.metrics.dcp_reload_max_abs_difference = checks.check_outputs_equal(
         "eval logits after load_state",
         state.engine_state["sharded_outputs_before_save"],
         outputs,

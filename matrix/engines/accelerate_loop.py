@@ -30,9 +30,9 @@ def _accelerator(state: CellState):
     from accelerate import Accelerator  # imported when a cell first runs here
 
     state.device_kind.activate(state.device)
-    settings = state.metrics["engine_settings"]
+    settings = state.metrics.engine_settings
     accelerator = Accelerator(mixed_precision=settings["mixed_precision"], cpu=state.device.type == "cpu")
-    state.metrics["engine_effective"] = {
+    state.metrics.engine_effective = {
         "mixed_precision": accelerator.mixed_precision,
         "native_amp": accelerator.native_amp,
         "grad_scaler": accelerator.scaler is not None,
@@ -83,7 +83,7 @@ def train_steps(state: CellState) -> None:
     trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
     state.model, state.optimizer = _prepare(state, state.model, with_optimizer=True)
     losses = train_until_applied(state, lambda: _step(state, state.model, state.optimizer), TRAIN_STEPS)
-    state.metrics["train_losses"] = losses
+    state.metrics.train_losses = losses
     check_training_contract(state, state.model, trainable, dtypes)
     check_agrees_with_torch_engine(state, losses[0], "train")
 
@@ -105,7 +105,7 @@ def checkpoint_save(state: CellState) -> None:
     state.outputs_before_save = _evaluate(state, state.model).logits
     directory = state.workdir / "accelerate-state"
     state.engine_state["accelerator"].save_state(str(directory))
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+    state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
 
 
 def checkpoint_reload(state: CellState) -> None:

@@ -40,12 +40,12 @@ def _wrap(state: CellState, model):
 
     device_ids = [state.device.index] if state.device.index is not None else None
     wrapped = DistributedDataParallel(model, device_ids=device_ids)
-    hook = state.metrics["engine_settings"].get("comm_hook")
+    hook = state.metrics.engine_settings.get("comm_hook")
     if hook is not None:
         wrapped.register_comm_hook(None, getattr(default_hooks, hook))
-    state.metrics["engine_effective"] = {
+    state.metrics.engine_effective = {
         "comm_hook": hook,
-        "reduce_dtype": state.metrics["engine_settings"]["reduce_dtype"],
+        "reduce_dtype": state.metrics.engine_settings["reduce_dtype"],
         "bucket_view": wrapped.gradient_as_bucket_view,
     }
     return wrapped
@@ -65,7 +65,7 @@ def rank_train_steps(state: CellState, context) -> None:
     state.scaler = state.precision.make_grad_scaler(state.device_type)
     dropout_off = sharded_dropout_off_loss(state, context, state.engine_state["wrapped"])
     losses = train_until_applied(state, _step(state, context), TRAIN_STEPS)
-    state.metrics["train_losses"] = losses
+    state.metrics.train_losses = losses
     check_first_step(state, losses, dropout_off)
     check_training_contract(state, state.model, trainable, dtypes)
 
@@ -91,7 +91,7 @@ def rank_checkpoint_save(state: CellState, context) -> None:
     if context.rank == 0:
         save_checkpoint(state, directory)  # the torch engine's format, written once
     barrier()  # every rank reads what rank 0 wrote
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+    state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
 
 
 def rank_checkpoint_reload(state: CellState, context) -> None:

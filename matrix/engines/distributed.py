@@ -21,6 +21,7 @@ import time
 from matrix.engines.base import Engine, Unsupported
 from matrix.phases import PHASE_NAMES, CellState
 from matrix.precisions import Precision
+from matrix.results.metrics import UNSET, CellMetrics, Distributed, given
 
 WORLD_SIZE = 2  # --world-size; the plugin sets it
 RANK_STATE_KEY = "cell"
@@ -84,18 +85,21 @@ class DistributedEngine(Engine):
                 timeout_s=timeout,
             )
             state.engine_state["begun"] = True
-            state.metrics["distributed"] = {
-                "world_size": group.world_size,
-                "backend": "nccl" if state.cell.device == "cuda" else "gloo",
-                "group_started_for_this_cell": group.starts != started_before,
-                "group_start_s": round(group.started_s or 0.0, 3),
-                "begin_cell_s": round(time.perf_counter() - began, 3),
-            }
-        metrics = group.call("matrix.engines.distributed:rank_phase", self.name, phase, timeout_s=timeout)
-        distributed = state.metrics["distributed"]
-        state.metrics.update(metrics[0])
-        state.metrics["distributed"] = {**distributed, **metrics[0].get("distributed", {})}
-        state.metrics["distributed"]["rank_first_step_losses"] = [m.get("rank_first_step_loss") for m in metrics]
+            state.metrics.distributed = Distributed(
+                world_size=group.world_size,
+                backend="nccl" if state.cell.device == "cuda" else "gloo",
+                group_started_for_this_cell=group.starts != started_before,
+                group_start_s=round(group.started_s or 0.0, 3),
+                begin_cell_s=round(time.perf_counter() - began, 3),
+            )
+        # each rank's CellMetrics, pickled back: rank 0's become the cell's, the group's record kept
+        ranks = group.call("matrix.engines.distributed:rank_phase", self.name, phase, timeout_s=timeout)
+        distributed = state.metrics.distributed
+        state.metrics.update(ranks[0])
+        if ranks[0].distributed is not UNSET:
+            distributed.update(ranks[0].distributed)
+        state.metrics.distributed = distributed
+        distributed.rank_first_step_losses = [given(m.rank_first_step_loss) for m in ranks]
 
     def cleanup(self, state: CellState) -> None:
         from matrix import rank_pool
@@ -142,9 +146,9 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
         precision=precision,
         device=device.torch_device(context.rank if device.indexed else 0),
         workdir=directory,
-        metrics={"declared": precision.settings()},
+        metrics=CellMetrics(declared=precision.settings()),
     )
-    state.metrics["engine_settings"] = ENGINES[cell.engine].settings(precision)
+    state.metrics.engine_settings = ENGINES[cell.engine].settings(precision)
     shared = state.engine_state["shared_dir"] = Path(workdir) / "shared"
     context.values[RANK_STATE_KEY] = state
     if precision.weights_from == "load":
@@ -158,7 +162,7 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
         (directory / "pretrained-fp32").symlink_to(shared / "pretrained-fp32", target_is_directory=True)
 
 
-def rank_phase(context, engine: str, phase: str) -> dict:
+def rank_phase(context, engine: str, phase: str) -> CellMetrics:
     from matrix.engines import ENGINES
 
     state = context.values[RANK_STATE_KEY]
@@ -230,7 +234,8 @@ def sharded_step(state: CellState, context, model, optimizer, scaler) -> tuple[f
     with state.precision.autocast(state.device_type):
         loss = state.kind.loss(model, shard)
     value = checks.check_finite_loss(loss, "training loss")
-    state.metrics.setdefault("rank_first_step_loss", value)
+    if state.metrics.rank_first_step_loss is UNSET:
+        state.metrics.rank_first_step_loss = value
     weighted = loss * loss_weight(state, shard, context.world_size)
     (weighted if scaler is None else scaler.scale(weighted)).backward()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -337,7 +342,7 @@ def resume_one_sharded_step(state: CellState, step) -> None:
 
     state.model.train()
     before = snapshot_trainable(gathered_copy(state, state.model))
-    state.metrics["resumed_losses"] = train_until_applied(state, step, 1)
+    state.metrics.resumed_losses = train_until_applied(state, step, 1)
     checks.check_parameters_changed(before, gathered_copy(state, state.model))
 
 

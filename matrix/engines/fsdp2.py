@@ -54,7 +54,7 @@ def _shard(state: CellState, model):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    settings = state.metrics["engine_settings"]
+    settings = state.metrics.engine_settings
     policy = MixedPrecisionPolicy(
         param_dtype=_dtype(settings.get("param_dtype")),
         reduce_dtype=_dtype(settings.get("reduce_dtype")),
@@ -64,7 +64,7 @@ def _shard(state: CellState, model):
     for layer in layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    state.metrics["engine_effective"] = {
+    state.metrics.engine_effective = {
         "mp_policy": {k: dtype_name(v) if v is not None else None for k, v in vars(policy).items()},
         "sharded_layers": len(layers),
         "sharded_parameter_dtypes": sorted({dtype_name(p.dtype) for p in model.parameters()}),
@@ -86,7 +86,7 @@ def rank_train_steps(state: CellState, context) -> None:
     state.scaler = state.precision.make_grad_scaler(state.device_type)
     dropout_off = sharded_dropout_off_loss(state, context, state.model)
     losses = train_until_applied(state, _step(state, context), TRAIN_STEPS)
-    state.metrics["train_losses"] = losses
+    state.metrics.train_losses = losses
     check_first_step(state, losses, dropout_off)
     check_training_contract(state, gathered_copy(state, state.model), trainable, dtypes)
 
@@ -129,8 +129,8 @@ def rank_checkpoint_save(state: CellState, context) -> None:
         if state.scaler is not None:
             torch.save(state.scaler.state_dict(), shared / SCALER_FILE)
     barrier()
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
-    state.metrics["dcp_files"] = len(list((shared / "dcp").iterdir()))
+    state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
+    state.metrics.dcp_files = len(list((shared / "dcp").iterdir()))
 
 
 def _sharded_model_state(model) -> dict:
@@ -165,7 +165,7 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
         dcp.load({"model": model_state}, checkpoint_id=shared / "dcp")
         set_state_dict(resumed, (), model_state_dict=model_state, optim_state_dict={})
     outputs = sharded_evaluate(state, context, resumed).logits
-    state.metrics["dcp_reload_max_abs_difference"] = checks.check_outputs_equal(
+    state.metrics.dcp_reload_max_abs_difference = checks.check_outputs_equal(
         "eval logits after the DCP reload",
         state.engine_state["sharded_outputs_before_save"],
         outputs,

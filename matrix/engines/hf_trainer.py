@@ -33,6 +33,7 @@ from matrix.phases import (
     snapshot_trainable,
 )
 from matrix.precisions import PRECISIONS, Precision
+from matrix.results.metrics import given
 
 
 class Rows(torch.utils.data.Dataset):
@@ -151,7 +152,7 @@ def _arguments(state: CellState, max_steps: int):
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        **state.metrics["engine_settings"],
+        **state.metrics.engine_settings,
     )
 
 
@@ -168,7 +169,7 @@ def _trainer(state: CellState, model, max_steps: int):
         callbacks=[tracker],
     )
     state.engine_state.update(trainer=trainer, tracker=tracker)
-    state.metrics["engine_effective"] = {
+    state.metrics.engine_effective = {
         "mixed_precision": trainer.accelerator.mixed_precision,
         "native_amp": trainer.accelerator.native_amp,
         "device": str(trainer.args.device),
@@ -188,7 +189,7 @@ def train_steps(state: CellState) -> None:
     trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
     trainer = _trainer(state, state.model, TRAIN_STEPS)
     run_tagged(trainer.train, state.engine_state["tracker"])
-    state.metrics["train_losses"] = trainer.training_losses
+    state.metrics.train_losses = trainer.training_losses
     record_library_steps(state, trainer.optimizer, trainer.state.global_step)
     for loss in trainer.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
@@ -200,7 +201,7 @@ def mid_training_eval(state: CellState) -> None:
     metrics = state.engine_state["tracker"].eval_metrics
     if metrics is None:
         raise checks.CheckFailure("the Trainer ran no evaluation on its step schedule")
-    state.metrics["trainer_eval_loss"] = metrics.get("eval_loss")
+    state.metrics.trainer_eval_loss = metrics.get("eval_loss")
     check_against_fp32(state, _evaluate_through_trainer_model(state), "mid-training eval")
 
 
@@ -210,7 +211,7 @@ def evaluate(state: CellState) -> None:
     tracker = state.engine_state["tracker"]
     tracker.phase = "evaluate"
     metrics = run_tagged(trainer.evaluate, tracker)
-    state.metrics["trainer_eval_loss"] = metrics.get("eval_loss")
+    state.metrics.trainer_eval_loss = metrics.get("eval_loss")
     result = _evaluate_through_trainer_model(state)  # generate() too, for gemma-cache
     check_against_fp32(state, result, "eval")
     check_agrees_with_torch_engine(state, result.loss.float().item(), "eval")
@@ -228,7 +229,7 @@ def checkpoint_save(state: CellState) -> None:
     directory = _checkpoint_dir(state)
     if not directory.is_dir():
         raise checks.CheckFailure("the Trainer wrote no checkpoint on its save schedule")
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+    state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
     # outputs of the same weights without the Trainer's forward wrapper, to compare with a reload
     state.outputs_before_save = _evaluate_as_trainer_ran(state, same_weights_copy(state, state.model)).logits
 
@@ -236,7 +237,7 @@ def checkpoint_save(state: CellState) -> None:
 def _evaluate_as_trainer_ran(state: CellState, model):
     """Evaluation under the autocast the Trainer really used (observed in its forward), which
     can differ from the precision's: on a CPU, fp16 mixed precision runs without autocast."""
-    observed = state.metrics["effective"].get("autocast_dtype_in_forward", "not observed")
+    observed = given(state.metrics.effective.autocast_dtype_in_forward, "not observed")
     if observed == "not observed":
         return evaluate_in_precision(state, model)
     model.eval()
@@ -256,7 +257,7 @@ def resumed_step(state: CellState) -> None:
     model = state.kind.build(state.precision, state.device, state.workdir)
     trainer = _trainer(state, model, TRAIN_STEPS + 1)
     run_tagged(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
-    state.metrics["resumed_losses"] = trainer.training_losses
+    state.metrics.resumed_losses = trainer.training_losses
     check_resumed_one_step(trainer.training_losses, state.engine_state["reloaded"], model)
 
 

@@ -109,7 +109,7 @@ def _trainer(state: CellState, max_steps: int, first_phase: str):
     trainer = lightning.Trainer(
         accelerator=state.device.type,  # Lightning's names for cpu, cuda, mps are torch's
         devices=[state.device.index or 0] if state.device_kind.indexed else 1,
-        precision=state.metrics["engine_settings"]["precision"],
+        precision=state.metrics.engine_settings["precision"],
         max_steps=max_steps,
         check_val_every_n_epoch=TRAIN_STEPS,  # one batch per epoch: validation after step 3
         num_sanity_val_steps=0,
@@ -122,7 +122,7 @@ def _trainer(state: CellState, max_steps: int, first_phase: str):
         **({} if grad_mode is None else {"inference_mode": grad_mode == "inference_mode"}),
     )
     state.engine_state.update(trainer=trainer, tracker=tracker)
-    state.metrics["engine_effective"] = {
+    state.metrics.engine_effective = {
         "precision": str(trainer.precision),
         "plugin": type(trainer.precision_plugin).__name__,
     }
@@ -154,7 +154,7 @@ def train_steps(state: CellState) -> None:
         state.engine_state["tracker"],
     )
     _after_teardown(state, module, "fit")
-    state.metrics["train_losses"] = module.training_losses
+    state.metrics.train_losses = module.training_losses
     record_library_steps(state, trainer.optimizers[0], trainer.global_step)
     for loss in module.training_losses:
         checks.check_finite_loss(torch.tensor(loss), "training loss")
@@ -190,7 +190,7 @@ def checkpoint_save(state: CellState) -> None:
             lambda: trainer.save_checkpoint(state.workdir / "lightning" / "checkpoint.ckpt"),
             state.engine_state["tracker"],
         )
-    state.metrics["checkpoint_files"] = [_checkpoint_file(state).name]
+    state.metrics.checkpoint_files = [_checkpoint_file(state).name]
     state.outputs_before_save = _evaluate_as_lightning(state, state.model).logits
 
 
@@ -212,7 +212,7 @@ def resumed_step(state: CellState) -> None:
         lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state.engine_state["tracker"]
     )
     _after_teardown(state, module, "resumed fit")
-    state.metrics["resumed_losses"] = module.training_losses
+    state.metrics.resumed_losses = module.training_losses
     check_resumed_one_step(module.training_losses, state.engine_state["reloaded"], model)
 
 

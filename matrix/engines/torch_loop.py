@@ -31,12 +31,12 @@ def train_steps(state: CellState) -> None:
     state.scaler = state.precision.make_grad_scaler(state.device_type)
     trainable = snapshot_trainable(state.model)
     dtypes = checks.tensor_dtypes(state.model)
-    state.metrics["train_losses"] = train_until_applied(
+    state.metrics.train_losses = train_until_applied(
         state, lambda: train_step(state, state.model, state.optimizer, state.scaler), TRAIN_STEPS
     )
     check_training_contract(state, state.model, trainable, dtypes)
     if state.scaler is not None:
-        state.metrics["grad_scale"] = state.scaler.get_scale()
+        state.metrics.grad_scale = state.scaler.get_scale()
 
 
 def mid_training_eval(state: CellState) -> None:
@@ -83,7 +83,7 @@ def checkpoint_save(state: CellState) -> None:
     state.outputs_before_save = evaluate_in_precision(state, state.model).logits
     directory = state.workdir / "checkpoint"
     save_checkpoint(state, directory)
-    state.metrics["checkpoint_files"] = sorted(p.name for p in directory.iterdir())
+    state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
 
 
 def checkpoint_reload(state: CellState) -> None:

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 
 from matrix.packages import STACK
+from matrix.results.metrics import CellMetrics, Tolerance
 
 CATEGORIES = (
     "new",
@@ -115,11 +116,11 @@ def _number(value) -> float | None:
 
 def drift_of(old: dict, new: dict, fraction: float) -> dict | None:
     """The deviation from fp32 grew by more than `fraction` of what the tolerance allows."""
-    old_dev = _number(old["metrics"].get("fp32_deviation_abs"))
-    new_dev = _number(new["metrics"].get("fp32_deviation_abs"))
-    reference = _number(new["metrics"].get("fp32_reference_loss"))
-    tolerance = new["metrics"].get("fp32_tolerance") or {}
-    atol, rtol = _number(tolerance.get("atol")), _number(tolerance.get("rtol"))
+    before, after = CellMetrics.from_dict(old["metrics"]), CellMetrics.from_dict(new["metrics"])
+    old_dev, new_dev = _number(before.fp32_deviation_abs), _number(after.fp32_deviation_abs)
+    reference = _number(after.fp32_reference_loss)
+    tolerance = after.fp32_tolerance or Tolerance()
+    atol, rtol = _number(tolerance.atol), _number(tolerance.rtol)
     if None in (old_dev, new_dev, reference, atol, rtol):
         return None
     allowed = atol + rtol * abs(reference)

@@ -9,6 +9,7 @@ import re
 
 from matrix.results import crash_dump
 from matrix.results.files import known_failure_keys
+from matrix.results.metrics import UNSET, CellMetrics, Effective, KindRecord, LearningRate
 
 # summary.md goes into a CI job's summary, which GitHub caps at 1 MiB: a new signature's
 # traceback there keeps its first lines and innermost frames in this many characters.
@@ -51,11 +52,11 @@ def folded_traceback(traceback: str | None) -> list[str]:
 
 def ran_as_note(cell: dict) -> str:
     """' (ran as fp32)' where the engine put another autocast dtype in force than declared."""
-    declared = cell["metrics"].get("declared", {}).get("autocast_dtype")
-    effective = cell["metrics"].get("effective", {})
-    if "autocast_dtype_in_forward" not in effective:
+    metrics = CellMetrics.from_dict(cell["metrics"])
+    declared = (metrics.declared or {}).get("autocast_dtype")  # the precision's settings: open
+    actual = (metrics.effective or Effective()).autocast_dtype_in_forward
+    if actual is UNSET:  # no Linear module ran
         return ""
-    actual = effective["autocast_dtype_in_forward"]
     if actual == declared:
         return ""
     return f" (ran {'without autocast' if actual is None else 'with ' + actual + ' autocast'})"
@@ -210,14 +211,14 @@ def summary_markdown(document: dict) -> str:
 def model_kinds_markdown(cells: list[dict]) -> list[str]:
     """What the harness observed about each model kind (matrix/observation.py) and the learning
     rate it trained at (matrix/learning_rate.py), from the first cell that recorded them."""
-    kinds: dict[str, dict] = {}
-    rates: dict[str, dict] = {}
+    kinds: dict[str, KindRecord] = {}
+    rates: dict[str, LearningRate] = {}
     for cell in cells:
-        metrics = cell.get("metrics") or {}
-        if "kind" in metrics:
-            kinds.setdefault(cell["model"], metrics["kind"])
-        if "learning_rate" in metrics:
-            rates.setdefault(cell["model"], metrics["learning_rate"])
+        metrics = CellMetrics.from_dict(cell.get("metrics") or {})
+        if metrics.kind is not UNSET:
+            kinds.setdefault(cell["model"], metrics.kind)
+        if metrics.learning_rate is not UNSET:
+            rates.setdefault(cell["model"], metrics.learning_rate)
     if not kinds:
         return []
     lines = [
@@ -228,13 +229,13 @@ def model_kinds_markdown(cells: list[dict]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for model, kind in kinds.items():
-        observed = kind["observed"]
-        traits = ", ".join(kind["traits"]) + (" (declared)" if kind["declared_traits"] is not None else "")
+        observed = kind.observed  # matrix/observation.py Observation.as_dict()
+        traits = ", ".join(kind.traits) + (" (declared)" if kind.declared_traits is not None else "")
         if observed.get("error"):
             traits += f"; observing failed: {observed['error']}"
         rate = rates.get(model)
-        learning = f"{rate['value']:g} ({rate['source']})" if rate else "-"
-        fall = rate["fp32_fall"]["relative"] if rate else None
+        learning = f"{rate.value:g} ({rate.source})" if rate else "-"
+        fall = rate.fp32_fall["relative"] if rate else None
         fallen = "-" if fall is None else f"{fall:.1%}"
         lines.append(f"| {model} | {_md(traits)} | {observed['loss_items']} | {learning} | {fallen} |")
     return lines

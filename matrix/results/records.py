@@ -2,7 +2,8 @@
 
 A record is made once, complete, where its outcome is known: run_cell's result
 (matrix/execute.py), a skip, a timeout, a crash, or a failure outside run_cell. Nothing edits
-it afterwards. `as_dict()` is its JSON form, in the schema's field order.
+it afterwards. `as_dict()` is its JSON form, in the schema's field order; its `metrics` are a
+CellMetrics (matrix/results/metrics.py), written as the fields that were measured.
 
 A failed cell's `traceback` is where it failed: the exception's Python traceback (a rank's
 appended), a crash's or timeout's stacks, pytest's text for a failure outside run_cell. The
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from matrix.cell import Cell
 from matrix.results import crash_dump
+from matrix.results.metrics import CellMetrics
 from matrix.signatures import Signature, signature_of_crash
 
 TIMEOUT_SIGNATURE_MESSAGE = "the cell did not finish within the per-cell timeout"
@@ -41,7 +43,7 @@ class CellRecord:
     skip_reason: str | None = None
     known_failure: dict | None = None  # known_failure_record()
     duration_s: float = 0.0
-    metrics: dict = field(default_factory=dict)
+    metrics: CellMetrics = field(default_factory=CellMetrics)  # written as CellMetrics.as_dict()
     cuda_index: int | None = None  # the accelerator's index, for a cell on an indexed device
     device_name: str | None = None
     rerun: str | None = None  # the command that re-runs just this cell
@@ -57,7 +59,13 @@ class CellRecord:
         return cls(id=cell.id, **cell.axes(), outcome=outcome, **fields)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "metrics": self.metrics.as_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CellRecord:
+        """A record as_dict() wrote (the plugin's, from a test report)."""
+        return cls(**{**data, "metrics": CellMetrics.from_dict(data.get("metrics") or {})})
 
 
 def known_failure_record(entry) -> dict:
