@@ -16,7 +16,7 @@ from matrix.cell import Cell
 from matrix.devices import DEVICES, Device
 from matrix.models import ModelKind
 from matrix.precisions import PRECISIONS, Precision, dtype_name
-from matrix.results import metrics as records
+from matrix.results import metrics as typed  # the metrics records: typed.Effective, typed.LossDecrease, ...
 from matrix.results.metrics import UNSET, CellMetrics, given
 from matrix.signatures import signature_of
 from matrix.tolerances import (
@@ -96,7 +96,7 @@ class CellState:
         """AdamW's learning rate in every engine: the kind's own, else the one calibrated for it
         (matrix/learning_rate.py); recorded in the cell's metrics."""
         established = kind_learning_rate(self.kind)
-        self.metrics.learning_rate = records.LearningRate.from_dict(established.as_dict())
+        self.metrics.learning_rate = typed.LearningRate.from_dict(established.as_dict())
         return established.value
 
     def new_optimizer(self, model) -> torch.optim.Optimizer:
@@ -174,20 +174,20 @@ def kind_traits(kind) -> frozenset[str]:
     return frozenset(traits)
 
 
-def kind_record(kind) -> records.KindRecord:
+def kind_record(kind) -> typed.KindRecord:
     """What the report records of the cell's model kind: the traits catalogue selectors match,
     the ones it declares (None: observed), and what was observed (matrix/observation.py)."""
     from matrix.observation import observe
 
     declared = getattr(kind, "traits", None)
-    return records.KindRecord(
+    return typed.KindRecord(
         traits=sorted(kind_traits(kind)),
         declared_traits=sorted(declared) if declared is not None else None,
         observed=observe(kind).as_dict(),
     )
 
 
-def effective_settings(state: CellState) -> records.Effective:
+def effective_settings(state: CellState) -> typed.Effective:
     """What is actually in force, not only what the precision's name promises."""
     dtypes: dict[str, int] = {}
     trainable: dict[str, int] = {}
@@ -199,7 +199,7 @@ def effective_settings(state: CellState) -> records.Effective:
         autocast_on = torch.is_autocast_enabled(state.device_type)
         autocast_dtype = torch.get_autocast_dtype(state.device_type) if autocast_on else None
     scaler = state.precision.make_grad_scaler(state.device_type)
-    return records.Effective(
+    return typed.Effective(
         parameter_dtypes=dtypes,
         trainable_parameter_dtypes=trainable,
         autocast_dtype=dtype_name(autocast_dtype) if autocast_dtype else None,
@@ -293,7 +293,7 @@ def check_against_fp32(state: CellState, result, label: str, model=None) -> None
     metrics.fp32_reference_loss = ref_value
     metrics.fp32_deviation_abs = abs(value - ref_value)
     metrics.fp32_deviation_rel = abs(value - ref_value) / abs(ref_value) if ref_value else None
-    metrics.fp32_tolerance = records.Tolerance(**tolerance.as_dict())
+    metrics.fp32_tolerance = typed.Tolerance(**tolerance.as_dict())
     metrics.eval_logits_dtype = dtype_name(result.logits.dtype)
     for name, extra in result.extras.items():  # a model's extras have fields: eval_cache_type
         setattr(metrics, "eval_" + name, extra)
@@ -466,7 +466,7 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
     try:
         reference = torch_engine_loss(state, mode)
     except Exception as exc:  # the yardstick itself fails: that is the torch engine cell's finding
-        state.metrics.cross_engine = records.CrossEngine(torch_engine_error=signature_of("torch engine", exc).text)
+        state.metrics.cross_engine = typed.CrossEngine(torch_engine_error=signature_of("torch engine", exc).text)
         return
     tolerance = eval_loss_tolerance(state.cell.model, state.precision.compute_dtype)
     key = {"train": "first_step_loss", "eval": "eval_loss", DROPOUT_OFF: "first_step_loss_dropout_off"}[mode]
@@ -479,9 +479,9 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
             "dropout masks than the whole batch in one process"
         ),
     }[mode]
-    state.metrics.cross_engine = records.CrossEngine(
+    state.metrics.cross_engine = typed.CrossEngine(
         spread_abs=abs(loss - reference),
-        tolerance=records.Tolerance(**tolerance.as_dict()),
+        tolerance=typed.Tolerance(**tolerance.as_dict()),
         random_numbers=random_numbers,
         **{key: loss, f"torch_engine_{key}": reference},
     )
@@ -563,11 +563,11 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     if state.kind.variant != state.kind.grid_variant:
         # the bound was established on the grid's settings only: a variant (exploration) records
         # its fall unchecked (a drawn LoRA with rank 1 and hidden size 8 falls less in fp32)
-        unchecked = records.LossDecrease(**measured, bound_relative=None, judged_by="unchecked: a variant")
+        unchecked = typed.LossDecrease(**measured, bound_relative=None, judged_by="unchecked: a variant")
         state.metrics.loss_decrease = unchecked
         return
     bound, judged_by = loss_fall_bound(state)
-    state.metrics.loss_decrease = records.LossDecrease(
+    state.metrics.loss_decrease = typed.LossDecrease(
         **measured, bound_relative=None if bound is None else bound.min_relative, judged_by=judged_by
     )
     if bound is None:
