@@ -70,6 +70,12 @@ def registered():
         registry.unregister(name)
 
 
+# A user's whole CPU grid in one process: the GPT-2 takes about a minute, the pretrained BERT
+# (22M parameters, bf16 autocast on a CPU) several. The tests that use users_grid set a
+# pytest-timeout past this limit, so that the run's own limit (and its output) is what a hang reports.
+USERS_GRID_RUN_LIMIT_S = 1200
+
+
 def _run_users_grid(plugin: str, model: str, report_dir: Path) -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), str(ROOT)])
@@ -80,7 +86,7 @@ def _run_users_grid(plugin: str, model: str, report_dir: Path) -> tuple[subproce
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=USERS_GRID_RUN_LIMIT_S,
     )
     results = report_dir / "users" / "results.json"
     assert results.exists(), done.stdout[-3000:] + done.stderr[-3000:]

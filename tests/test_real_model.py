@@ -76,6 +76,10 @@ def test_lightning_training_a_model_left_in_eval_mode_is_the_known_class_for_a_u
 # ---------------------------------------------------------------- a user's own BERT
 
 
+# past users_grid's own run limit (tests/conftest.py USERS_GRID_RUN_LIMIT_S, 1200 s)
+USERS_GRID_TIMEOUT_S = 1320
+
+
 @pytest.fixture(scope="module")
 def user_bert_grid(users_grid, tmp_path_factory):
     """tests/plugins/user_bert.py (only the six methods) through the whole CPU matrix."""
@@ -83,6 +87,7 @@ def user_bert_grid(users_grid, tmp_path_factory):
 
 
 @needs_wheel
+@pytest.mark.timeout(USERS_GRID_TIMEOUT_S)  # the fixture runs the whole grid
 def test_a_users_bert_runs_the_whole_cpu_matrix_with_no_failure_of_the_harness(user_bert_grid):
     record = user_bert_grid["user-bert-fp32-train-cpu-torch"]
     assert record["outcome"] == "passed"
@@ -98,6 +103,7 @@ def test_a_users_bert_runs_the_whole_cpu_matrix_with_no_failure_of_the_harness(u
 
 
 @needs_wheel
+@pytest.mark.timeout(USERS_GRID_TIMEOUT_S)
 def test_a_users_bert_meets_the_known_classes_through_what_was_observed(user_bert_grid):
     known = {i: c["known_failure"]["id"] for i, c in user_bert_grid.items() if c["outcome"] == "known"}
     assert known["user-bert-fp32-train-cpu-lightning"] == "lightning-keeps-from-pretrained-eval-mode"

@@ -8,6 +8,11 @@ is its own: every failure is a catalogued class.
 
 import pytest
 
+# past users_grid's own run limit (tests/conftest.py USERS_GRID_RUN_LIMIT_S, 1200 s), so that
+# the run's limit, with its output, is what a hang reports
+USERS_GRID_TIMEOUT_S = 1320
+pytestmark = pytest.mark.timeout(USERS_GRID_TIMEOUT_S)  # the first test runs the whole grid
+
 
 @pytest.fixture(scope="module")
 def gpt2_grid(users_grid, tmp_path_factory):

@@ -102,9 +102,17 @@ def make_batch():
 def make_gpt2():
     torch.manual_seed(0)
     cfg = GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD_ID,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return GPT2LMHeadModel(cfg)
 
@@ -112,9 +120,17 @@ def make_gpt2():
 def make_llama():
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-        attention_dropout=0.0, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        attention_dropout=0.0,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return LlamaForCausalLM(cfg)
 
@@ -178,9 +194,7 @@ def run_case(name, model, batch):
             dataloader_num_workers=0,
             seed=0,
         )
-        trainer = RecordingTrainer(
-            model=model, args=args, train_dataset=RowDataset(batch), data_collator=collate
-        )
+        trainer = RecordingTrainer(model=model, args=args, train_dataset=RowDataset(batch), data_collator=collate)
         trainer.train()
 
     seen = trainer.seen
