@@ -59,13 +59,18 @@ class Entry:
 
     def selects(self, cell: Cell, traits: frozenset[str] | None = None) -> bool:
         """Whether a selector matches the cell's axes and, where it names traits, one of the
-        cell's model traits (default: those its registered kind declares)."""
-        axes = {**cell.axes(), TRAIT_KEY: None}
-        traits = model_traits(cell.model) if traits is None else traits
-        return any(
-            all((values & traits) if axis == TRAIT_KEY else axes[axis] in values for axis, values in s.items())
-            for s in self.selectors
-        )
+        cell's model traits (default: its registered kind's, observed or declared; asked for
+        only where the axes match, since observing builds the model)."""
+        axes = cell.axes()
+        for selector in self.selectors:
+            if not all(axes[axis] in values for axis, values in selector.items() if axis != TRAIT_KEY):
+                continue
+            wanted = selector.get(TRAIT_KEY)
+            if wanted is None:
+                return True
+            if wanted & (model_traits(cell.model, wanted) if traits is None else traits):
+                return True
+        return False
 
     def versions_hold(self, installed: dict[str, str | None]) -> bool:
         for package, specifiers in self.versions.items():

@@ -83,7 +83,7 @@ class CellState:
         return torch.inference_mode() if self.kind.variant.eval_grad_mode == "inference_mode" else torch.no_grad()
 
     def build(self) -> None:
-        self.metrics.kind = kind_record(self.kind)
+        self.metrics.kind = kind_record(self.kind, with_rate=self.cell.mode == "train")
         self.model = self.kind.build(self.precision, self.device, self.workdir)
         self.batch = self.kind.batch(self.device)
         self.metrics.effective = effective_settings(self)
@@ -156,32 +156,37 @@ class Fp32Training:
 BF16_MANTISSA_BITS = 7
 
 
-def kind_traits(kind) -> frozenset[str]:
+RATE_TRAIT = "updates-below-bf16-resolution"
+
+
+def kind_traits(kind, with_rate: bool = True) -> frozenset[str]:
     """The traits catalogue selectors match (matrix/models/base.py TRAITS): the ones the kind
     declares, else those observed on its model (matrix/observation.py) and, from its learning
-    rate, `updates-below-bf16-resolution`: an AdamW step (about the learning rate) is below half
-    a bf16 ulp of its largest trainable weights, so in bf16 they cannot move."""
+    rate, RATE_TRAIT: an AdamW step (about the learning rate) is below half a bf16 ulp of its
+    largest trainable weights, so in bf16 they cannot move. `with_rate=False` leaves RATE_TRAIT
+    out rather than establish the rate (a search that trains: only where a cell asks for it)."""
     from matrix.observation import effective_traits, observe
 
     traits = set(effective_traits(kind))
-    if getattr(kind, "traits", None) is not None:
+    if getattr(kind, "traits", None) is not None or not with_rate:
         return frozenset(traits)
     magnitude = observe(kind).largest_trainable_magnitude
     if magnitude > 0:
         half_ulp = 2.0 ** (math.floor(math.log2(magnitude)) - BF16_MANTISSA_BITS - 1)
         if kind_learning_rate(kind).value < half_ulp:
-            traits.add("updates-below-bf16-resolution")
+            traits.add(RATE_TRAIT)
     return frozenset(traits)
 
 
-def kind_record(kind) -> typed.KindRecord:
-    """What the report records of the cell's model kind: the traits catalogue selectors match,
-    the ones it declares (None: observed), and what was observed (matrix/observation.py)."""
+def kind_record(kind, with_rate: bool) -> typed.KindRecord:
+    """What the report records of the cell's model kind: the traits catalogue selectors match
+    (RATE_TRAIT in training cells, which establish the rate anyway), the ones it declares (None:
+    observed), and what was observed (matrix/observation.py)."""
     from matrix.observation import observe
 
     declared = getattr(kind, "traits", None)
     return typed.KindRecord(
-        traits=sorted(kind_traits(kind)),
+        traits=sorted(kind_traits(kind, with_rate)),
         declared_traits=sorted(declared) if declared is not None else None,
         observed=observe(kind).as_dict(),
     )

@@ -14,15 +14,17 @@ from matrix.modes import MODES
 from matrix.precisions import PRECISIONS
 
 
-def model_traits(model: str) -> frozenset[str]:
+def model_traits(model: str, wanted: frozenset[str] | None = None) -> frozenset[str]:
     """The traits of a registered model kind (matrix/models/base.py TRAITS): observed on its
     built model, or declared where the kind declares them (matrix/observation.py); none for a
-    model name no kind is registered under (a report from another project, say)."""
+    model name no kind is registered under (a report from another project, say). `wanted`: the
+    traits the caller asks about; the one derived from the learning rate, whose search trains
+    the model, is established only when asked for (None: every trait)."""
     if model not in MODELS:
         return frozenset()
-    from matrix.phases import kind_traits  # builds the model once per process: torch
+    from matrix.phases import RATE_TRAIT, kind_traits  # builds the model once per process: torch
 
-    return kind_traits(MODELS[model])
+    return kind_traits(MODELS[model], with_rate=wanted is None or RATE_TRAIT in wanted)
 
 
 def trait_names() -> tuple[str, ...]:

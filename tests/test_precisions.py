@@ -62,14 +62,14 @@ def test_effective_settings_are_measured_not_copied(name, model, tmp_path):
     state.model = state.kind.build(precision, state.device, tmp_path)
     effective = effective_settings(state)
     weights = str(precision.weights_dtype).removeprefix("torch.")
-    assert weights in effective["parameter_dtypes"]
-    assert effective["autocast_dtype"] == (
+    assert weights in effective.parameter_dtypes
+    assert effective.autocast_dtype == (
         str(precision.autocast_dtype).removeprefix("torch.") if precision.autocast_dtype else None
     )
-    assert effective["grad_scaler"] is precision.grad_scaler
+    assert effective.grad_scaler is precision.grad_scaler
     if model == "lora" and weights != "float32":
         # peft keeps the adapters in fp32 over a half-precision base: recorded, not hidden
-        assert effective["trainable_parameter_dtypes"] == {
+        assert effective.trainable_parameter_dtypes == {
             "float32": sum(p.numel() for p in state.model.parameters() if p.requires_grad)
         }
 

@@ -71,7 +71,8 @@ class DistributedEngine(Engine):
             from matrix.observation import observe
             from matrix.phases import kind_learning_rate
 
-            known = {"observed": observe(state.kind), "rate": kind_learning_rate(state.kind)}  # traits need the rate
+            training = state.cell.mode == "train"
+            known = {"observed": observe(state.kind), "rate": kind_learning_rate(state.kind) if training else None}
             began = time.perf_counter()
             started_before = group.starts
             group.call(
@@ -135,7 +136,8 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
     if variant != kind.variant:
         kind = kind.with_variant(variant)
     observation.remember(kind, known["observed"])
-    learning_rate.remember(kind, known["rate"])
+    if known["rate"] is not None:  # a training cell's (an evaluation neither trains nor needs it)
+        learning_rate.remember(kind, known["rate"])
 
     device = DEVICES[cell.device]
     directory = Path(workdir) / f"rank{context.rank}"
