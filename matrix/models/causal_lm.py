@@ -8,6 +8,7 @@ import torch
 
 from matrix.models import base
 from matrix.models.hf import dtype_argument, transformers_class
+from matrix.observation import IGNORE_INDEX  # the label transformers' causal LM loss skips
 from matrix.variants import InvalidVariant, Variant
 
 DECODER_FIELDS = (
@@ -39,9 +40,6 @@ def decoder_config(variant: Variant) -> dict:
         "bos_token_id": base.BOS_TOKEN_ID,
         "eos_token_id": base.EOS_TOKEN_ID,
     }
-
-
-IGNORE_INDEX = -100  # the label transformers' causal LM loss skips
 
 
 def next_token_targets(mask: torch.Tensor) -> torch.Tensor:
