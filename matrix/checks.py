@@ -39,6 +39,10 @@ class DtypeContractBroken(CheckFailure):
     pass
 
 
+class FrozenParameterThawed(CheckFailure):
+    pass
+
+
 class CheckpointMismatch(CheckFailure):
     pass
 
@@ -133,12 +137,29 @@ def check_parameters_changed(before: dict[str, torch.Tensor], model) -> None:
         )
 
 
-def check_dtypes(weights: dict[str, torch.Tensor], expected: torch.dtype, what: str) -> None:
-    wrong = {name: p.dtype for name, p in weights.items() if p.dtype != expected}
+def check_frozen_kept(frozen: tuple[str, ...], model, when: str) -> None:
+    """The parameters the model is created frozen with (requires_grad=False) are still frozen."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    thawed = [name for name in frozen if name in trainable]
+    if thawed:
+        raise FrozenParameterThawed(
+            f"{when}: a parameter the model is created with requires_grad=False is trainable",
+            details=f"{len(thawed)} of {len(frozen)}, first {thawed[0]}",
+        )
+
+
+def check_dtypes(weights: dict[str, torch.Tensor], expected, what: str) -> None:
+    """Every weight has the expected dtype: one for all, or per name (dtype, the architecture's
+    declaration that asks for it or None), as matrix/declared_dtypes.py expected_dtypes gives."""
+    if isinstance(expected, torch.dtype):
+        expected = dict.fromkeys(weights, (expected, None))
+    wrong = {name: p.dtype for name, p in weights.items() if p.dtype != expected[name][0]}
     if wrong:
         name, dtype = next(iter(wrong.items()))
+        want, declared = expected[name]
+        because = f" ({fp32_declaration(declared)})" if declared else ""
         raise DtypeContractBroken(
-            f"{what}: weights are {dtype}, not {expected}",
+            f"{what}: weights are {dtype}, not {want}{because}",
             details=f"{len(wrong)} of {len(weights)}, first {name}",
         )
 
@@ -168,14 +189,27 @@ def check_placement(model, device: torch.device, when: str) -> None:
         )
 
 
-def check_same_dtypes(before: dict[str, torch.dtype], model, what: str) -> None:
+def fp32_declaration(reason: str) -> str:
+    """How a failure names why a weight must be fp32: a _keep_in_fp32_modules pattern, or the
+    class's own construction (matrix/declared_dtypes.py)."""
+    if reason.startswith("created in fp32"):
+        return reason
+    return f"the class keeps {reason!r} in fp32: _keep_in_fp32_modules"
+
+
+def check_same_dtypes(before: dict[str, torch.dtype], model, what: str, declared: dict[str, str] | None = None) -> None:
+    """Every tensor of `before` kept its dtype, but those `declared` ('parameter NAME' -> the
+    pattern its class keeps in fp32 with): they must be fp32 (a reload by from_pretrained)."""
+    declared = declared or {}
     after = tensor_dtypes(model)
-    changed = sorted(name for name in before if after.get(name) != before[name])
+    wanted = {name: torch.float32 if name in declared else dtype for name, dtype in before.items()}
+    changed = sorted(name for name in before if after.get(name) != wanted[name])
     if changed:
         name = changed[0]
         kind = name.split()[0]
+        because = f", not {wanted[name]} ({fp32_declaration(declared[name])})" if name in declared else ""
         raise DtypeContractBroken(
-            f"{what}: a {kind} was {before[name]}, is now {after.get(name)}",
+            f"{what}: a {kind} was {before[name]}, is now {after.get(name)}{because}",
             details=f"{len(changed)} tensors changed dtype, first {name}",
         )
 

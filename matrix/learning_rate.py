@@ -156,7 +156,9 @@ def _establish(kind, measure) -> LearningRate:
     with tempfile.TemporaryDirectory(prefix="matrix-lr-") as scratch:
         workdir = Path(scratch)
         key = _cache_key(kind, measure.loss_before(kind, workdir), declared)
-        path = cache_dir() / "learning-rates" / f"{kind.name}-{key}.json"
+        # a kind's name may hold a path (hf:path/to/config.json): only its safe characters
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in kind.name)
+        path = cache_dir() / "learning-rates" / f"{safe}-{key}.json"
         cached = _read_cache(path)
         if cached is not None:
             return cached

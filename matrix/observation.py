@@ -66,6 +66,17 @@ class Observation:
     origin: str | None = None  # "from_pretrained(<name or path>)" where transformers says so
     embeddings_in_no_split_module: str | None = None  # the enclosing module's class, if any
     unmapped_loss_type: str | None = None  # the transformers class whose loss_type is None
+    # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
+    # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
+    unsaved_float_buffers: tuple[str, ...] = ()
+    # a model cast to half and saved comes back through the library's loader (from_pretrained),
+    # not the way it was obtained (ModelKind.loaded_in_dtype): what recomputes those buffers
+    reloaded_by_library: bool = False
+    # trainable parameters that an fp32 training backward leaves without a gradient (used only
+    # to route, as an MoE's e_score_correction_bias): no precision can make them change
+    gradless_parameters: tuple[str, ...] = ()
+    # parameters the model is created with requires_grad=False (a peft base: all of it)
+    frozen_parameters: tuple[str, ...] = ()
     # the largest median |weight| of a trainable tensor (norm weights near 1.0): where an update of
     # about the learning rate is below half a bf16 ulp of it (phases.kind_traits)
     largest_trainable_magnitude: float = 0.0
@@ -76,8 +87,10 @@ class Observation:
     @property
     def traits(self) -> frozenset[str]:
         found = set()
-        if self.trainable_parameters and self.trainable_parameters == self.parameters:
+        if self.trainable_parameters and 2 * self.trainable_parameters >= self.parameters:
             found.add("full-weights")
+            if self.frozen_parameters:
+                found.add("frozen-parameters")
         elif self.trainable_parameters:
             found.add("adapters")
         if self.layer_norm_modules:
@@ -92,6 +105,8 @@ class Observation:
             found.add("embeddings-in-no-split-module")
         if self.unmapped_loss_type:
             found.add("unmapped-loss-type")
+        if self.unsaved_float_buffers and self.reloaded_by_library:
+            found.add("unsaved-float-buffers")
         return frozenset(found)
 
     def count(self, batch: dict) -> int:
@@ -111,6 +126,11 @@ class Observation:
             "origin": self.origin,
             "embeddings_in_no_split_module": self.embeddings_in_no_split_module,
             "unmapped_loss_type": self.unmapped_loss_type,
+            "unsaved_float_buffers": list(self.unsaved_float_buffers),
+            "reloaded_by_library": self.reloaded_by_library,
+            "gradless_parameters": list(self.gradless_parameters),
+            "frozen_parameters": len(self.frozen_parameters),
+            "frozen_parameters_first": list(self.frozen_parameters[:5]),
             "largest_trainable_magnitude": self.largest_trainable_magnitude,
             "loss_items": self.loss_items,
             "loss_items_evidence": self.loss_items_evidence,
@@ -177,6 +197,50 @@ def _unmapped_loss_type(model: nn.Module) -> str | None:
     return None
 
 
+def _unsaved_float_buffers(model: nn.Module) -> tuple[str, ...]:
+    """Floating-point buffers registered with persistent=False (left out of the state dict)."""
+    found = []
+    for prefix, module in model.named_modules():
+        for name in sorted(getattr(module, "_non_persistent_buffers_set", ())):
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point():
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return tuple(found)
+
+
+def _gradless_parameters(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
+    """Trainable parameters with no gradient after one fp32 training backward."""
+    model.zero_grad(set_to_none=True)
+    kind.loss(model, batch).backward()
+    found = tuple(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def _loaded_otherwise(kind, workdir: Path, buffers: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `buffers` that the kind's load_weights(), asked for bf16, gives in another dtype
+    (RoPE's inv_freq: fp32), from the fp32 checkpoint build() wrote under `workdir`: a model cast
+    to bf16 does not get them back."""
+    directory = workdir / "pretrained-fp32"
+    if not buffers or not directory.exists():
+        return ()
+    try:
+        loaded = kind.load_weights(directory, torch.bfloat16, torch.device("cpu"))
+    except NotImplementedError:  # a kind that reloads otherwise (peft: adapters over its base)
+        return ()
+    dtypes = {name: b.dtype for name, b in loaded.named_buffers()}
+    return tuple(name for name in buffers if dtypes.get(name, torch.bfloat16) != torch.bfloat16)
+
+
+def _reloaded_by_library(kind) -> bool:
+    """Whether a half model obtained by a cast comes back from its checkpoint through the
+    library's loader rather than the way it was obtained."""
+    from matrix.precisions import PRECISIONS
+
+    cast = next(p for p in PRECISIONS.values() if p.weights_from == "cast" and p.weights_dtype != torch.float32)
+    return kind.loaded_in_dtype(cast, reloaded=True) and not kind.loaded_in_dtype(cast, reloaded=False)
+
+
 def _probe_losses(kind, model, batch) -> tuple[float, float]:
     losses = []
     with torch.no_grad():
@@ -237,6 +301,7 @@ def _observe(kind) -> Observation:
             )
             model.train()
             first, second = _probe_losses(kind, model, batch)
+            gradless = _gradless_parameters(kind, model, batch)
             model.eval()
             rule, evidence = _loss_item_rule(kind, model, batch)
             # what a *-loaded-* precision trains: the kind's checkpoint of its fp32 weights, read
@@ -254,6 +319,10 @@ def _observe(kind) -> Observation:
                 origin=_origin(model),
                 embeddings_in_no_split_module=_no_split_module_around_embeddings(model),
                 unmapped_loss_type=_unmapped_loss_type(model),
+                unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
+                reloaded_by_library=_reloaded_by_library(kind),
+                gradless_parameters=gradless,
+                frozen_parameters=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
                 largest_trainable_magnitude=max(
                     (p.detach().abs().median().item() for p in parameters if p.requires_grad), default=0.0
                 ),

@@ -5,16 +5,16 @@ evaluation against fp32, checkpoint round trip, agreement with the torch engine)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from matrix import checks
+from matrix import checks, declared_dtypes
 from matrix.cell import Cell
 from matrix.devices import DEVICES, Device
 from matrix.models import ModelKind
+from matrix.observation import observe
 from matrix.precisions import PRECISIONS, Precision, dtype_name
 from matrix.results import metrics as typed  # the metrics records: typed.Effective, typed.LossDecrease, ...
 from matrix.results.metrics import UNSET, CellMetrics, given
@@ -89,7 +89,15 @@ class CellState:
         self.metrics.effective = effective_settings(self)
         watch_first_forward(self, self.model)
         seed_first_training_forward(self, self.model)
-        checks.check_dtypes(self.kind.precision_weights(self.model), self.precision.weights_dtype, "after build")
+        checks.check_dtypes(self.kind.precision_weights(self.model), self.expected_dtypes(self.model), "after build")
+        checks.check_frozen_kept(observe(self.kind).frozen_parameters, self.model, "after build")
+
+    def expected_dtypes(self, model) -> dict:
+        """The dtype each of the kind's precision weights must have: the precision's, or fp32
+        where the architecture declares a module fp32 and from_pretrained obtained the model."""
+        weights = self.kind.precision_weights(model)
+        loaded = self.kind.loaded_in_dtype(self.precision, reloaded=False)
+        return declared_dtypes.expected_dtypes(weights, model, self.precision.weights_dtype, loaded)
 
     @property
     def learning_rate(self) -> float:
@@ -153,37 +161,61 @@ class Fp32Training:
         return Fall(rate, before, seeded_training_loss(state, model))
 
 
-BF16_MANTISSA_BITS = 7
-
-
 RATE_TRAIT = "updates-below-bf16-resolution"
+ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which every engine trains with
+_STALLED: dict[tuple, tuple[str, ...]] = {}
 
 
 def kind_traits(kind, with_rate: bool = True) -> frozenset[str]:
     """The traits catalogue selectors match (matrix/models/base.py TRAITS): the ones the kind
     declares, else those observed on its model (matrix/observation.py) and, from its learning
-    rate, RATE_TRAIT: an AdamW step (about the learning rate) is below half a bf16 ulp of its
-    largest trainable weights, so in bf16 they cannot move. `with_rate=False` leaves RATE_TRAIT
+    rate, RATE_TRAIT: AdamW's first step, applied to the kind's weights held in bf16, leaves some
+    trainable tensor exactly as it was (bf16_stalled_tensors). `with_rate=False` leaves RATE_TRAIT
     out rather than establish the rate (a search that trains: only where a cell asks for it)."""
-    from matrix.observation import effective_traits, observe
+    from matrix.observation import effective_traits
 
     traits = set(effective_traits(kind))
     if getattr(kind, "traits", None) is not None or not with_rate:
         return frozenset(traits)
-    magnitude = observe(kind).largest_trainable_magnitude
-    if magnitude > 0:
-        half_ulp = 2.0 ** (math.floor(math.log2(magnitude)) - BF16_MANTISSA_BITS - 1)
-        if kind_learning_rate(kind).value < half_ulp:
-            traits.add(RATE_TRAIT)
+    if bf16_stalled_tensors(kind, kind_learning_rate(kind).value):
+        traits.add(RATE_TRAIT)
     return frozenset(traits)
+
+
+def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
+    """The trainable tensors that AdamW's first step at `rate` cannot move once the weights are
+    bf16 (those the kind holds in the precision's dtype: precision_weights): the step (decoupled weight decay, then rate * g / (|g| + eps), which is what Adam's
+    bias-corrected first step is) applied to the bf16 weights in fp32 and rounded back to bf16
+    gives every element back unchanged. Gradients from one fp32 training backward of the kind's
+    fixed batch; tensors that get none (observation's gradless) are not counted. Once per kind,
+    variant and rate in a process."""
+    key = (kind.name, type(kind), kind.variant, rate)
+    if key not in _STALLED:
+        import tempfile
+
+        with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="matrix-bf16-step-") as scratch:
+            cpu = torch.device("cpu")
+            model = kind.build(PRECISIONS["fp32"], cpu, Path(scratch))
+            model.train()
+            kind.loss(model, kind.batch(cpu)).backward()
+            held_in_precision = kind.precision_weights(model)  # not peft's fp32 adapters
+            stalled = []
+            for name, p in model.named_parameters():
+                if not p.requires_grad or p.grad is None or name not in held_in_precision:
+                    continue
+                weights = p.detach().to(torch.bfloat16)
+                step = weights.float() * (1 - rate * ADAMW_WEIGHT_DECAY)
+                step -= rate * p.grad / (p.grad.abs() + 1e-8)
+                if torch.equal(step.to(torch.bfloat16), weights):
+                    stalled.append(name)
+        _STALLED[key] = tuple(stalled)
+    return _STALLED[key]
 
 
 def kind_record(kind, with_rate: bool) -> typed.KindRecord:
     """What the report records of the cell's model kind: the traits catalogue selectors match
     (RATE_TRAIT in training cells, which establish the rate anyway), the ones it declares (None:
     observed), and what was observed (matrix/observation.py)."""
-    from matrix.observation import observe
-
     declared = getattr(kind, "traits", None)
     return typed.KindRecord(
         traits=sorted(kind_traits(kind, with_rate)),
@@ -448,8 +480,6 @@ def dropout_off_loss(state: CellState, model, batch, autocast: bool = True) -> f
 
 def stochastic_training_forward(state: CellState) -> bool:
     """Whether the kind's training forward draws random numbers (dropout), as observed."""
-    from matrix.observation import observe
-
     return observe(state.kind).stochastic_training_forward
 
 
@@ -496,12 +526,12 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
 def resume_one_step(state: CellState, step) -> None:
     """One more applied optimizer step on the reloaded model and optimizer; it must move the weights."""
     state.model.train()
-    before = snapshot_trainable(state.model)
+    before = snapshot_trainable(state.model, state.kind)
     state.metrics.resumed_losses = train_until_applied(state, step, 1)
     checks.check_parameters_changed(before, state.model)
 
 
-def check_resumed_one_step(losses: list[float], checkpoint_model, resumed_model) -> None:
+def check_resumed_one_step(state: CellState, losses: list[float], checkpoint_model, resumed_model) -> None:
     """A library resumed from the step-3 checkpoint: exactly one step ran, and it moved the
     weights away from the checkpoint's."""
     if len(losses) != 1:
@@ -509,7 +539,7 @@ def check_resumed_one_step(losses: list[float], checkpoint_model, resumed_model)
             "resuming from the checkpoint did not run exactly the one remaining step",
             details=f"{len(losses)} training steps ran",
         )
-    checks.check_parameters_changed(snapshot_trainable(checkpoint_model), resumed_model)
+    checks.check_parameters_changed(snapshot_trainable(checkpoint_model, state.kind), resumed_model)
 
 
 def same_weights_copy(state: CellState, model):
@@ -540,8 +570,16 @@ def return_from_library_device(state: CellState, model, library_device: torch.de
     checks.check_placement(model, state.device, f"after {when}")
 
 
-def snapshot_trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def snapshot_trainable(model, kind) -> dict[str, torch.Tensor]:
+    """The trainable tensors that must change in training: those that get a gradient. A
+    parameter the kind's fp32 backward leaves without one (an MoE's e_score_correction_bias,
+    which only routes) cannot change in any precision (matrix/observation.py)."""
+    gradless = observe(kind).gradless_parameters
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad and not any(n == g or n.endswith("." + g) for g in gradless)
+    }
 
 
 def check_training_contract(state: CellState, model, trainable_before, dtypes_before, weights_check=None) -> None:
@@ -557,7 +595,7 @@ def check_training_contract(state: CellState, model, trainable_before, dtypes_be
     checks.check_parameters_changed(trainable_before, model)
     checks.check_same_dtypes(dtypes_before, model, "after training")
     if weights_check is None:
-        checks.check_dtypes(state.kind.precision_weights(model), state.precision.weights_dtype, "after training")
+        checks.check_dtypes(state.kind.precision_weights(model), state.expected_dtypes(model), "after training")
     else:
         weights_check(model, "after training")
     # the fall is measured by the harness, the same way before and after training: the library's
@@ -615,7 +653,17 @@ def check_reload(state: CellState, reloaded, evaluate=None, saved=None) -> None:
     precision's own autocast); `saved`: the model whose dtypes the checkpoint must give back
     (default: the cell's model).
     """
-    checks.check_same_dtypes(checks.tensor_dtypes(saved or state.model), reloaded, "after reload")
+    declared = {}
+    if state.kind.loaded_in_dtype(state.precision, reloaded=True):  # from_pretrained applies the declarations
+        dtype = state.precision.weights_dtype
+        patterns = declared_dtypes.fp32_patterns(reloaded, dtype)
+        created = declared_dtypes.created_fp32(reloaded, dtype)
+        for kind, tensors in (("parameter", reloaded.named_parameters()), ("buffer", reloaded.named_buffers())):
+            for name, _ in tensors:
+                if reason := declared_dtypes.fp32_reason(name, patterns, created):
+                    declared[f"{kind} {name}"] = reason
+    checks.check_same_dtypes(checks.tensor_dtypes(saved or state.model), reloaded, "after reload", declared)
+    checks.check_frozen_kept(observe(state.kind).frozen_parameters, reloaded, "after reload")
     outputs = (evaluate or evaluate_in_precision)(state, reloaded).logits
     state.metrics.reload_max_abs_difference = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP

@@ -41,6 +41,10 @@ class Registry(Mapping, Generic[T]):
         self.what, self.kind = what, kind
         self._items: dict[str, T] = {}
         self._registered_in: dict[str, str] = {}
+        # prefix -> factory(name) -> item: names made on demand (the model axis' hf:<model_type>)
+        self._providers: dict[str, object] = {}
+        self._provided: dict[str, T] = {}
+        self._every: dict[str, object] = {}
 
     def register(self, item: T) -> T:
         if not isinstance(item, self.kind):
@@ -59,16 +63,63 @@ class Registry(Mapping, Generic[T]):
         self._registered_in[name] = sys._getframe(1).f_globals.get("__name__", "")
         return item
 
+    def provide(self, prefix: str, factory, every=None) -> None:
+        """Items named `prefix...` are made on demand by factory(name), the first time a name is
+        looked up (a selection, a replayed record, a rank): `--model hf:qwen2` needs no register().
+        The factory raises KeyError for a name it cannot make (its message: why); it is not a
+        value of the axis until asked for by name, so the default grid never grows by itself.
+        `every()`: all the names the factory makes here, for a pattern such as hf:* or hf:qwen*."""
+        self._providers[prefix] = factory
+        self._every[prefix] = every
+
+    def matching(self, pattern: str) -> tuple[str, ...] | None:
+        """The names a factory makes that match the shell-style `pattern` (hf:*, hf:qwen*), or
+        None when no factory with a list of its names claims the pattern's prefix."""
+        import fnmatch
+
+        for prefix, every in self._every.items():
+            if every is not None and pattern.startswith(prefix):
+                return tuple(name for name in every() if fnmatch.fnmatchcase(name, pattern))
+        return None
+
+    def claims(self, name: str) -> bool:
+        """Whether `name` is registered or has the prefix of a factory (without making it: a
+        catalogue entry may name hf:xlstm in a process that never builds it)."""
+        return name in self._items or name in self._provided or any(name.startswith(p) for p in self._providers)
+
+    def provided(self) -> tuple[str, ...]:
+        """The names made on demand so far, in the order first asked for."""
+        return tuple(self._provided)
+
     def registered_in(self, name: str) -> str:
-        """The module that registered `name` (its import registers it again elsewhere)."""
+        """The module that registered `name` (its import registers it again elsewhere); for a
+        name made on demand, the module of its factory (importing it installs the provider)."""
+        if name in self._provided:
+            return self._registered_in_provider(name)
         return self._registered_in[name]
+
+    def _registered_in_provider(self, name: str) -> str:
+        prefix = next(p for p in self._providers if name.startswith(p))
+        return self._providers[prefix].__module__
 
     def unregister(self, name: str) -> None:
         """For tests that register an item of their own and must leave the registry as it was."""
         self._items.pop(name, None)
+        self._provided.pop(name, None)
 
     def __getitem__(self, name: str) -> T:
-        return self._items[name]
+        if name in self._items:
+            return self._items[name]
+        if name in self._provided:
+            return self._provided[name]
+        prefix = next((p for p in self._providers if isinstance(name, str) and name.startswith(p)), None)
+        if prefix is None:
+            raise KeyError(name)
+        item = self._providers[prefix](name)  # KeyError: not a name it can make, and why
+        if not isinstance(item, self.kind) or getattr(item, "name", None) != name:
+            raise RegistrationError(f"{self.what}: the factory for {prefix!r} made {item!r} for {name!r}")
+        self._provided[name] = item
+        return item
 
     def __iter__(self) -> Iterator[str]:
         ordered = sorted(enumerate(self._items.values()), key=lambda p: (position_of(p[1]), p[0]))

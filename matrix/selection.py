@@ -32,9 +32,10 @@ def trait_names() -> tuple[str, ...]:
 
 
 def axis_values() -> dict[str, tuple[str, ...]]:
-    """Every axis' values, from the registries: a user's registered items included."""
+    """Every axis' values, from the registries: a user's registered items included, and the
+    model kinds made on demand so far (hf:<model_type>, once a selection named them)."""
     return {
-        "model": tuple(MODELS),
+        "model": (*MODELS, *MODELS.provided()),
         "precision": tuple(PRECISIONS),
         "mode": MODES,
         "device": tuple(DEVICES),
@@ -43,18 +44,48 @@ def axis_values() -> dict[str, tuple[str, ...]]:
 
 
 def parse_selection(axis: str, text: str | None) -> tuple[str, ...]:
-    """'a,b' -> ('a', 'b'), in the axis' own order; None or '' -> every value of the axis."""
+    """'a,b' -> ('a', 'b'), in the axis' own order; None or '' -> every value of the axis. On the
+    model axis, hf:<model_type> and hf:<path> make their kinds, and hf:* every causal-LM type
+    (they follow the registered kinds, in the order given)."""
     valid = axis_values()[axis]
     wanted = [value.strip() for value in (text or "").split(",") if value.strip()]
-    if not wanted:
-        return valid
+    if not wanted:  # the registered values: a kind made on demand runs only where named
+        return tuple(value for value in valid if axis != "model" or value not in MODELS.provided())
+    if axis == "model":
+        wanted = expanded(wanted)
+        for value in wanted:
+            if value not in valid and (reason := made_on_demand(value)):
+                raise SelectionError(f"--model: {value!r}: {reason}")
+        valid = axis_values()[axis]
     unknown = [value for value in wanted if value not in valid]
     if unknown:
         raise SelectionError(
             f"--{axis}: unknown value{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"valid values: {', '.join(valid)}"
+            f"valid values: {', '.join(valid)}{' (and hf:<model_type>, hf:<path>)' if axis == 'model' else ''}"
         )
-    return tuple(value for value in valid if value in wanted)
+    on_demand = [value for value in wanted if value in MODELS.provided()]
+    return tuple(value for value in valid if value in wanted and value not in on_demand) + tuple(on_demand)
+
+
+def expanded(models: list[str]) -> list[str]:
+    """Patterns (hf:*, hf:qwen*) replaced by the names they match, in their factory's order."""
+    found = []
+    for value in models:
+        matches = MODELS.matching(value) if any(c in value for c in "*?[") else None
+        if matches == ():
+            raise SelectionError(f"--model: {value!r} matches no model kind")
+        found += [m for m in (matches or (value,)) if m not in found]
+    return found
+
+
+def made_on_demand(model: str) -> str | None:
+    """Make the model kind `model` names if a factory makes such names (hf:<model_type>): None
+    when it now exists or no factory claims the name, else why it cannot be made."""
+    try:
+        MODELS[model]
+    except KeyError as error:
+        return error.args[0] if error.args and error.args[0] != model else None
+    return None
 
 
 def enumerate_cells(selection: dict[str, tuple[str, ...]]) -> list[Cell]:
@@ -68,6 +99,16 @@ def enumerate_cells(selection: dict[str, tuple[str, ...]]) -> list[Cell]:
 
 
 def cell_from_id(cell_id: str) -> Cell | None:
-    """The cell a test id names (for reports that carry only a node id, such as a crash)."""
-    every = enumerate_cells(axis_values())
-    return next((cell for cell in every if cell.id == cell_id), None)
+    """The cell a test id names (for reports that carry only a node id, such as a crash): the
+    other axes' values are read off its end, the model is what precedes them (a registered kind,
+    or one a factory makes: hf:qwen2-bf16-mixed-train-cpu-torch)."""
+    axes = axis_values()
+    for device, engine, mode, precision in itertools.product(
+        axes["device"], axes["engine"], axes["mode"], axes["precision"]
+    ):
+        suffix = f"-{precision}-{mode}-{device}-{engine}"
+        if cell_id.endswith(suffix) and len(cell_id) > len(suffix):
+            model = cell_id[: -len(suffix)]
+            if model in axes["model"] or (made_on_demand(model) is None and model in MODELS):
+                return Cell(model=model, precision=precision, mode=mode, device=device, engine=engine)
+    return None

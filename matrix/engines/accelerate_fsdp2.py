@@ -178,7 +178,7 @@ def rank_train_steps(state: CellState, context) -> None:
     state.model.train()
     state.model, state.optimizer = _prepare(state, context, state.model)
     gathered = gathered_copy(state, state.model)
-    trainable, dtypes = snapshot_trainable(gathered), checks.tensor_dtypes(gathered)
+    trainable, dtypes = snapshot_trainable(gathered, state.kind), checks.tensor_dtypes(gathered)
     # the prepared forward brings accelerate's autocast
     dropout_off = sharded_dropout_off_loss(state, context, state.model, autocast=False)
     losses = train_until_applied(state, lambda: _step(state, context, state.model, state.optimizer), TRAIN_STEPS)

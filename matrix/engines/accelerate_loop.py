@@ -80,7 +80,7 @@ def _evaluate(state: CellState, model):
 def train_steps(state: CellState) -> None:
     state.build()
     state.model.train()
-    trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
+    trainable, dtypes = snapshot_trainable(state.model, state.kind), checks.tensor_dtypes(state.model)
     state.model, state.optimizer = _prepare(state, state.model, with_optimizer=True)
     losses = train_until_applied(state, lambda: _step(state, state.model, state.optimizer), TRAIN_STEPS)
     state.metrics.train_losses = losses

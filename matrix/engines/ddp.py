@@ -58,7 +58,7 @@ def _step(state: CellState, context):
 def rank_train_steps(state: CellState, context) -> None:
     state.build()
     state.model.train()
-    trainable = snapshot_trainable(state.model)
+    trainable = snapshot_trainable(state.model, state.kind)
     dtypes = checks.tensor_dtypes(state.model)
     state.engine_state["wrapped"] = _wrap(state, state.model)
     state.optimizer = state.new_optimizer(state.model)

@@ -343,7 +343,7 @@ def resume_one_sharded_step(state: CellState, step) -> None:
     from matrix.phases import snapshot_trainable, train_until_applied
 
     state.model.train()
-    before = snapshot_trainable(gathered_copy(state, state.model))
+    before = snapshot_trainable(gathered_copy(state, state.model), state.kind)
     state.metrics.resumed_losses = train_until_applied(state, step, 1)
     checks.check_parameters_changed(before, gathered_copy(state, state.model))
 

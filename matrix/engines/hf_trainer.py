@@ -186,7 +186,7 @@ def _evaluate_through_trainer_model(state: CellState):
 
 def train_steps(state: CellState) -> None:
     state.build()
-    trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
+    trainable, dtypes = snapshot_trainable(state.model, state.kind), checks.tensor_dtypes(state.model)
     trainer = _trainer(state, state.model, TRAIN_STEPS)
     run_tagged(trainer.train, state.engine_state["tracker"])
     state.metrics.train_losses = trainer.training_losses
@@ -258,7 +258,7 @@ def resumed_step(state: CellState) -> None:
     trainer = _trainer(state, model, TRAIN_STEPS + 1)
     run_tagged(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
     state.metrics.resumed_losses = trainer.training_losses
-    check_resumed_one_step(trainer.training_losses, state.engine_state["reloaded"], model)
+    check_resumed_one_step(state, trainer.training_losses, state.engine_state["reloaded"], model)
 
 
 class HFTrainerEngine(Engine):

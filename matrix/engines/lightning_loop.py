@@ -145,7 +145,7 @@ def _checkpoint_file(state: CellState):
 
 def train_steps(state: CellState) -> None:
     state.build()
-    trainable, dtypes = snapshot_trainable(state.model), checks.tensor_dtypes(state.model)
+    trainable, dtypes = snapshot_trainable(state.model, state.kind), checks.tensor_dtypes(state.model)
     module = _lightning().CellModule(state, state.model)
     trainer = _trainer(state, TRAIN_STEPS, "train_steps")
     state.engine_state["module"] = module
@@ -213,7 +213,7 @@ def resumed_step(state: CellState) -> None:
     )
     _after_teardown(state, module, "resumed fit")
     state.metrics.resumed_losses = module.training_losses
-    check_resumed_one_step(module.training_losses, state.engine_state["reloaded"], model)
+    check_resumed_one_step(state, module.training_losses, state.engine_state["reloaded"], model)
 
 
 class LightningEngine(Engine):

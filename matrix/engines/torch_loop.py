@@ -29,7 +29,7 @@ def train_steps(state: CellState) -> None:
     state.model.train()
     state.optimizer = state.new_optimizer(state.model)
     state.scaler = state.precision.make_grad_scaler(state.device_type)
-    trainable = snapshot_trainable(state.model)
+    trainable = snapshot_trainable(state.model, state.kind)
     dtypes = checks.tensor_dtypes(state.model)
     state.metrics.train_losses = train_until_applied(
         state, lambda: train_step(state, state.model, state.optimizer, state.scaler), TRAIN_STEPS

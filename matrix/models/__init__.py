@@ -10,6 +10,6 @@ from __future__ import annotations
 from matrix.models.base import MODELS, ModelKind, register
 from matrix.registry import load_modules
 
-load_modules(__name__, skip=("base", "causal_lm", "hf"))
+load_modules(__name__, skip=("base", "causal_lm", "hf", "hf_shrink"))
 
 __all__ = ["MODELS", "ModelKind", "register"]

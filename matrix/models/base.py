@@ -31,8 +31,12 @@ BATCH_SEED = 1234
 # built-in kinds is recognised in a user's kind that has the same trait. Each is observed on
 # the built model (matrix/observation.py); a kind may declare its own set instead (`traits`).
 TRAITS: dict[str, str] = {
-    "full-weights": "trains all its weights, held in the precision's weights dtype",
-    "adapters": "trains a strict subset of its parameters (adapters over a frozen base)",
+    "full-weights": "trains its weights (at least half of its parameters), held in the precision's weights dtype",
+    "adapters": "trains a minority of its parameters (adapters over a frozen base)",
+    "frozen-parameters": (
+        "trains its weights but creates some parameters frozen, requires_grad=False (an MoE router's "
+        "e_score_correction_bias, which only routes)"
+    ),
     "layer-norm": "has torch nn.LayerNorm modules, whose weights take the precision's dtype",
     "from-pretrained": "create() returns the model in eval mode, as from_pretrained() does",
     "loaded-from-pretrained": (
@@ -46,6 +50,11 @@ TRAITS: dict[str, str] = {
     ),
     "unmapped-loss-type": (
         "a transformers model whose class name names no loss type (loss_type None: GPT2LMHeadModel)"
+    ),
+    "unsaved-float-buffers": (
+        "has floating-point buffers its checkpoint leaves out (RoPE's inv_freq) and reloads through the library's "
+        "loader, which makes them in another dtype than the bf16 asked for (fp32): a cast to half does not "
+        "survive a save and reload"
     ),
     "embeddings-in-no-split-module": (
         "its input embeddings sit inside a module its _no_split_modules lists (BERT: BertEmbeddings)"
@@ -142,7 +151,13 @@ class ModelKind(abc.ABC):
                 directory.mkdir(parents=True)
                 self.save(self.initialise(), directory)
             return self.load_weights(directory, precision.weights_dtype, device)
-        return self.initialise().to(device=device, dtype=precision.weights_dtype)
+        model = self.initialise().to(device=device)
+        if any(p.dtype != precision.weights_dtype for p in model.parameters()):
+            # a cast, as users cast; not where the weights already have the dtype: .to(float32)
+            # would also cast a buffer the class creates in another dtype on purpose
+            # (RecurrentGemma's bf16 normalizer), which from_pretrained then gives back as created
+            model = model.to(dtype=precision.weights_dtype)
+        return model
 
     def load(self, directory: Path, precision: Precision, device: torch.device, workdir: Path) -> nn.Module:
         """A fresh model from a checkpoint written by save(), in the precision's dtype."""
@@ -175,6 +190,13 @@ class ModelKind(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The library's own loading API (from_pretrained(dtype=...) and the like)."""
+
+    def loaded_in_dtype(self, precision: Precision, reloaded: bool) -> bool:
+        """Whether the model build() gives (or, `reloaded`, the one load() gives) comes from the
+        library's loading API asked for the precision's dtype (from_pretrained(dtype=...)),
+        which keeps the modules an architecture declares fp32 in fp32, rather than from a cast,
+        which does not (matrix/declared_dtypes.py). load() goes through load_weights()."""
+        return reloaded or precision.weights_from == "load"
 
     def precision_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Parameters that must be in the precision's weights dtype (all of them, by default)."""

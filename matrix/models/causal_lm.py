@@ -115,7 +115,10 @@ class CausalLMKind(base.ModelKind):
         out = model(**batch, use_cache=use_cache)
         result = base.EvalOutput(loss=out.loss, logits=out.logits)
         if use_cache:
-            result.extras["cache_type"] = type(out.past_key_values).__name__
+            # an architecture whose output has no past_key_values (RWKV's state, Reformer's
+            # buckets) records None: the cache it keeps is its own business
+            cache = getattr(out, "past_key_values", None)
+            result.extras["cache_type"] = type(cache).__name__ if cache is not None else None
         if self.generate_tokens:
             result.generated = model.generate(
                 input_ids=batch["input_ids"],

@@ -70,6 +70,10 @@ class Lora(CausalLMKind):
         base = self.base.build(precision, device, workdir)
         return PeftModel.from_pretrained(base, directory, is_trainable=True)
 
+    def loaded_in_dtype(self, precision, reloaded: bool) -> bool:
+        # the base comes back the way build() obtained it; the adapters are peft's
+        return precision.weights_from == "load"
+
     def load_weights(self, directory: Path, dtype, device):
         raise NotImplementedError("a LoRA checkpoint holds adapters only, see load()")
 

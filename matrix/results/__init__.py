@@ -6,6 +6,7 @@ comparing and merging reports never imports torch or the stack that produced the
   records.py       - one typed record per cell, and the records of cells that never reached run_cell
   document.py      - results.json's document: counts, signature and catalogue indexes
   markdown.py      - summary.md
+  compatibility.py - compatibility.md: the architecture table of a run's hf: cells
   junit.py         - junit.xml
   html.py          - index.html
   run_directory.py - reports/<run-id>/: created exclusively, written at once, `latest`

@@ -106,6 +106,8 @@ def summary_markdown(document: dict) -> str:
     lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
     if run.get("incomplete"):
         lines.append("- **incomplete run:** not every selected cell reported")
+    if any(c["model"].startswith("hf:") for c in cells):
+        lines.append("- transformers architectures (hf: kinds): their table is in [compatibility.md](compatibility.md)")
 
     known_keys = known_failure_keys(document)
     fixed = [c for c in cells if c["outcome"] == "fixed"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from matrix.cell import Cell
 from matrix.results import journal
+from matrix.results.compatibility import compatibility_markdown
 from matrix.results.document import results_document
 from matrix.results.html import html_report
 from matrix.results.journal import json_safe
@@ -49,6 +50,9 @@ def write_documents(directory: Path, document: dict) -> None:
     """results.json, summary.md, junit.xml and index.html of one run, into `directory`."""
     (directory / "results.json").write_text(json.dumps(json_safe(document), indent=2, allow_nan=False) + "\n")
     (directory / "summary.md").write_text(summary_markdown(document))
+    table = compatibility_markdown(document)
+    if table is not None:  # a run with hf: cells (an architecture sweep): its table beside the summary
+        (directory / "compatibility.md").write_text(table, encoding="utf-8")
     (directory / "junit.xml").write_bytes(junit_xml(document))
     (directory / "index.html").write_text(html_report(json_safe(document)), encoding="utf-8")
 
