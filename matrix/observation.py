@@ -72,11 +72,13 @@ class Observation:
     # a model cast to half and saved comes back through the library's loader (from_pretrained),
     # not the way it was obtained (ModelKind.loaded_in_dtype): what recomputes those buffers
     reloaded_by_library: bool = False
-    # trainable parameters that an fp32 training backward leaves without a gradient (used only
-    # to route, as an MoE's e_score_correction_bias): no precision can make them change
+    # trainable parameters that an fp32 training backward leaves without a gradient or with an
+    # all-zero one: no precision can make them learn
     gradless_parameters: tuple[str, ...] = ()
-    # parameters the model is created with requires_grad=False (a peft base: all of it)
+    # parameters the model is created with requires_grad=False (a peft base: all of it), and
+    # those of them the kind's loader gives back trainable
     frozen_parameters: tuple[str, ...] = ()
+    thawed_by_loading: tuple[str, ...] = ()
     # the largest median |weight| of a trainable tensor (norm weights near 1.0): where an update of
     # about the learning rate is below half a bf16 ulp of it (phases.kind_traits)
     largest_trainable_magnitude: float = 0.0
@@ -89,7 +91,7 @@ class Observation:
         found = set()
         if self.trainable_parameters and 2 * self.trainable_parameters >= self.parameters:
             found.add("full-weights")
-            if self.frozen_parameters:
+            if self.thawed_by_loading:
                 found.add("frozen-parameters")
         elif self.trainable_parameters:
             found.add("adapters")
@@ -103,7 +105,7 @@ class Observation:
             found.add("dropout")
         if self.embeddings_in_no_split_module:
             found.add("embeddings-in-no-split-module")
-        if self.unmapped_loss_type:
+        if self.unmapped_loss_type and self.loss_items == "next-token labels":
             found.add("unmapped-loss-type")
         if self.unsaved_float_buffers and self.reloaded_by_library:
             found.add("unsaved-float-buffers")
@@ -131,6 +133,7 @@ class Observation:
             "gradless_parameters": list(self.gradless_parameters),
             "frozen_parameters": len(self.frozen_parameters),
             "frozen_parameters_first": list(self.frozen_parameters[:5]),
+            "thawed_by_loading": list(self.thawed_by_loading),
             "largest_trainable_magnitude": self.largest_trainable_magnitude,
             "loss_items": self.loss_items,
             "loss_items_evidence": self.loss_items_evidence,
@@ -209,10 +212,14 @@ def _unsaved_float_buffers(model: nn.Module) -> tuple[str, ...]:
 
 
 def _gradless_parameters(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
-    """Trainable parameters with no gradient after one fp32 training backward."""
+    """Trainable parameters with no gradient, or an all-zero one, after one fp32 training backward
+    (RoCBert's shape and pronunciation embeddings, looked up at their padding index 0 when the
+    batch gives no ids for them): only weight decay moves them, in no precision by learning."""
     model.zero_grad(set_to_none=True)
     kind.loss(model, batch).backward()
-    found = tuple(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
+    found = tuple(
+        n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())
+    )
     model.zero_grad(set_to_none=True)
     return found
 
@@ -302,6 +309,7 @@ def _observe(kind) -> Observation:
             model.train()
             first, second = _probe_losses(kind, model, batch)
             gradless = _gradless_parameters(kind, model, batch)
+            frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
             model.eval()
             rule, evidence = _loss_item_rule(kind, model, batch)
             # what a *-loaded-* precision trains: the kind's checkpoint of its fp32 weights, read
@@ -322,7 +330,8 @@ def _observe(kind) -> Observation:
                 unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
-                frozen_parameters=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
+                frozen_parameters=frozen,
+                thawed_by_loading=tuple(n for n, p in loaded.named_parameters() if n in frozen and p.requires_grad),
                 largest_trainable_magnitude=max(
                     (p.detach().abs().median().item() for p in parameters if p.requires_grad), default=0.0
                 ),

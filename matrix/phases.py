@@ -184,11 +184,13 @@ def kind_traits(kind, with_rate: bool = True) -> frozenset[str]:
 
 def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
     """The trainable tensors that AdamW's first step at `rate` cannot move once the weights are
-    bf16 (those the kind holds in the precision's dtype: precision_weights): the step (decoupled weight decay, then rate * g / (|g| + eps), which is what Adam's
-    bias-corrected first step is) applied to the bf16 weights in fp32 and rounded back to bf16
-    gives every element back unchanged. Gradients from one fp32 training backward of the kind's
-    fixed batch; tensors that get none (observation's gradless) are not counted. Once per kind,
-    variant and rate in a process."""
+    bf16 (those the kind holds in the precision's dtype: precision_weights): the step (decoupled
+    weight decay, then rate * g / (|g| + eps), which is what Adam's bias-corrected first step
+    is) applied to the bf16 weights in fp32 and rounded back to bf16 gives every element back
+    unchanged. Gradients from one fp32 training backward of the kind's
+    fixed batch; tensors that get none (observation's gradless) are not counted, nor those
+    from_pretrained keeps in fp32 (they are bf16 in bf16-true only). Once per kind, variant and
+    rate in a process."""
     key = (kind.name, type(kind), kind.variant, rate)
     if key not in _STALLED:
         import tempfile
@@ -199,9 +201,14 @@ def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
             model.train()
             kind.loss(model, kind.batch(cpu)).backward()
             held_in_precision = kind.precision_weights(model)  # not peft's fp32 adapters
+            gradless = set(observe(kind).gradless_parameters)
+            # what from_pretrained keeps in fp32 (declared, or created so) moves in bf16-loaded-mixed
+            patterns = declared_dtypes.fp32_patterns(model, torch.bfloat16)
+            created = declared_dtypes.created_fp32(model, torch.bfloat16)
+            gradless |= {n for n in held_in_precision if declared_dtypes.fp32_reason(n, patterns, created)}
             stalled = []
             for name, p in model.named_parameters():
-                if not p.requires_grad or p.grad is None or name not in held_in_precision:
+                if not p.requires_grad or p.grad is None or name in gradless or name not in held_in_precision:
                     continue
                 weights = p.detach().to(torch.bfloat16)
                 step = weights.float() * (1 - rate * ADAMW_WEIGHT_DECAY)

@@ -213,6 +213,45 @@ def test_a_cast_model_reloaded_by_from_pretrained_gets_its_declared_routers_back
     assert "a buffer was torch.bfloat16, is now torch.float32" in result.message  # not a parameter
 
 
+def test_parameters_a_class_creates_in_fp32_are_expected_in_fp32_after_from_pretrained(tmp_path):
+    # Hunyuan's router weight is made with an explicit fp32 dtype: transformers builds it in fp32
+    # whatever dtype it builds the model in, and from_pretrained keeps it so
+    kind = MODELS["hf:hunyuan_v1_moe"]
+    model = kind.build(PRECISIONS["fp16-loaded-mixed"], torch.device("cpu"), tmp_path)
+    expected = declared_dtypes.expected_dtypes(dict(model.named_parameters()), model, torch.float16, loaded=True)
+    created = {name for name, (dtype, reason) in expected.items() if reason == declared_dtypes.CREATED_FP32}
+    assert created == {f"model.layers.{i}.mlp.gate.wg.weight" for i in range(2)}
+    assert all(dict(model.named_parameters())[name].dtype == torch.float32 for name in created)
+    checks.check_dtypes(dict(model.named_parameters()), expected, "after build")  # holds
+
+
+def test_a_parameter_that_gets_no_gradient_in_fp32_is_not_asked_to_change():
+    # RoCBert's shape and pronunciation embeddings are looked up at padding index 0 when the batch
+    # gives no ids for them: an all-zero gradient, in every precision
+    gradless = observe(MODELS["hf:roc_bert"]).gradless_parameters
+    assert {"roc_bert.embeddings.shape_embed.weight", "roc_bert.embeddings.pronunciation_embed.weight"} <= set(
+        gradless
+    )
+    assert observe(MODELS["hf:qwen2"]).gradless_parameters == ()
+
+
+def test_a_checkpoint_is_read_back_as_users_read_it_with_the_auto_class(tmp_path):
+    # exaone's causal LM is LlamaForCausalLM: read back through that class, the model saved again
+    # names its weights for exaone and its config for llama, and the next load starts afresh
+    kind = MODELS["hf:exaone"]
+    assert kind.model_class_name == "LlamaForCausalLM" and kind.auto_class.__name__ == "AutoModelForCausalLM"
+    result = run_cell(Cell(kind.name, "bf16-loaded-mixed", "eval", "cpu", "torch"), tmp_path)
+    assert result.outcome == "passed", result.message
+
+
+def test_bf16_stalls_count_only_the_weights_held_in_the_precision():
+    from matrix.phases import bf16_stalled_tensors
+
+    assert bf16_stalled_tensors(MODELS["lora"], 1e-4) == ()  # peft keeps its adapters in fp32
+    stalled = bf16_stalled_tensors(MODELS["tiny-llama"], 1e-4)  # norm weights at 1.0: a 1e-4 step rounds away
+    assert stalled and all("norm" in name for name in stalled)
+
+
 # ---------------------------------------------------------------- the sweep's CI slice and its table
 
 

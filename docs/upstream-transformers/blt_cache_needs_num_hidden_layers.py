@@ -11,7 +11,8 @@ sub-configs do. The user sees, in any eval forward with use_cache=True (the defa
 generate():
   AttributeError: 'BltConfig' object has no attribute 'num_hidden_layers'
 Training (use_cache=False) works. It happens in fp32 and with any config: not a precision bug,
-and not a matter of the tiny sizes. transformers 4.57.6 and 5.8.0 fail the same way.
+and not a matter of the tiny sizes. 5.8.0 fails the same way; 4.57.6 already fails in
+generate() (its DynamicCache(config=...) reads config.num_hidden_layers), not yet in forward.
 
 Torch and transformers only, CPU, a tiny config, no download. Exit status 1 with the bug, 0
 without it.
@@ -58,13 +59,21 @@ print(f"transformers {transformers.__version__}, torch {torch.__version__}")
 with torch.no_grad():
     model(input_ids=ids, use_cache=False)
     print("fp32 forward, use_cache=False: ok")
-    try:
-        model(input_ids=ids, use_cache=True)
-        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
-    except AttributeError as error:
-        if "num_hidden_layers" not in str(error):
-            raise
-        print(f"fp32 forward, use_cache=True: AttributeError: {error}")
-        print("BUG: the cache is built from the top-level BltConfig, which has no layer count")
-        sys.exit(1)
+    calls = {
+        "forward(use_cache=True)": lambda: model(input_ids=ids, use_cache=True),
+        "generate()": lambda: model.generate(input_ids=ids, max_new_tokens=3, do_sample=False),
+    }
+    failed = False
+    for name, call in calls.items():
+        try:
+            call()
+            print(f"fp32 {name}: ok")
+        except AttributeError as error:
+            if "num_hidden_layers" not in str(error):
+                raise
+            print(f"fp32 {name}: AttributeError: {error}")
+            failed = True
+if failed:
+    print("BUG: the cache is built from the top-level BltConfig, which has no layer count")
+    sys.exit(1)
 print("ok: BLT runs with its cache")

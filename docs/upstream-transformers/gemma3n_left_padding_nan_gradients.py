@@ -12,7 +12,8 @@ label), and 0 * inf = NaN, which backward then carries into the weights through 
 positions. The user sees a finite loss and NaN gradients; an optimizer step writes NaN into
 the weights (a GradScaler skips every step instead).
 It happens in fp32: not a precision bug. Eager attention (a fully masked row then attends
-uniformly, so the pad positions are not 0), right padding, or no padding train fine. transformers 4.57.6 and 5.8.0 fail the same way.
+uniformly, so the pad positions are not 0), right padding, or no padding train fine.
+transformers 4.57.6 and 5.8.0 fail the same way.
 
 Torch and transformers only, CPU, a tiny config, no download. Exit status 1 with the bug, 0
 without it.

@@ -47,13 +47,21 @@ print(f"layer head dims: q/k {config.hidden_size * config.qk_dim_factor / config
 with torch.no_grad():
     model(input_ids=ids, use_cache=False)
     print("fp32 forward, use_cache=False: ok")
-    try:
-        model(input_ids=ids, use_cache=True)
-        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
-    except ValueError as error:
-        if "wrong shape" not in str(error):
-            raise
-        print(f"fp32 forward, use_cache=True: ValueError: {error}")
-        print("BUG: the cache's state is sized from dims rounded up to 64, the layers' are not")
-        sys.exit(1)
+    calls = {
+        "forward(use_cache=True)": lambda: model(input_ids=ids, use_cache=True),
+        "generate()": lambda: model.generate(input_ids=ids, max_new_tokens=3, do_sample=False),
+    }
+    failed = False
+    for name, call in calls.items():
+        try:
+            call()
+            print(f"fp32 {name}: ok")
+        except ValueError as error:
+            if "wrong shape" not in str(error):
+                raise
+            print(f"fp32 {name}: ValueError: {error}")
+            failed = True
+if failed:
+    print("BUG: the cache's state is sized from dims rounded up to 64, the layers' are not")
+    sys.exit(1)
 print("ok: the cache fits the layers")

@@ -35,7 +35,7 @@ TRAITS: dict[str, str] = {
     "adapters": "trains a minority of its parameters (adapters over a frozen base)",
     "frozen-parameters": (
         "trains its weights but creates some parameters frozen, requires_grad=False (an MoE router's "
-        "e_score_correction_bias, which only routes)"
+        "e_score_correction_bias, which only routes), and its loader gives them back trainable"
     ),
     "layer-norm": "has torch nn.LayerNorm modules, whose weights take the precision's dtype",
     "from-pretrained": "create() returns the model in eval mode, as from_pretrained() does",
@@ -49,7 +49,8 @@ TRAITS: dict[str, str] = {
         "(norm weights near 1.0 under a fine-tuning rate): in bf16 they cannot move"
     ),
     "unmapped-loss-type": (
-        "a transformers model whose class name names no loss type (loss_type None: GPT2LMHeadModel)"
+        "a transformers model whose class name names no loss type (loss_type None: GPT2LMHeadModel) and whose "
+        "loss predicts the next token (the labels shifted by one)"
     ),
     "unsaved-float-buffers": (
         "has floating-point buffers its checkpoint leaves out (RoPE's inv_freq) and reloads through the library's "

@@ -157,10 +157,30 @@ class HfArchitecture(CausalLMKind):
 
     # ---------------------------------------------------------------- building
 
+    @property
+    def auto_class(self) -> type:
+        """What users load a checkpoint with: AutoModelForCausalLM (AutoModelForSequenceClassification).
+        It reads the architecture's own config class; a concrete class that several model types
+        share (exaone, sarvam_moe -> LlamaForCausalLM, Glm4MoeForCausalLM) reads its own instead,
+        and such a model, saved again, names its weights for one type and its config for the other
+        (transformers 5.24.0): the next load initialises every weight anew."""
+        name = "AutoModelForCausalLM" if self.task == "causal-lm" else "AutoModelForSequenceClassification"
+        return getattr(transformers(), name)
+
     def create(self):
         if self.has_weights:
-            return self.model_class.from_pretrained(self.path, **{dtype_argument(): torch.float32})
+            return self.loader.from_pretrained(self.path, **{dtype_argument(): torch.float32})
         return self.model_class(self.config())
+
+    @property
+    def loader(self) -> type:
+        """The auto class where it maps the model's config class (a composite's text sub-config,
+        Emu3TextConfig, MllamaTextConfig, is not mapped: its class itself then)."""
+        auto = self.auto_class
+        return auto if self.config_class in auto._model_mapping else self.model_class
+
+    def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
+        return self.loader.from_pretrained(directory, **{dtype_argument(): dtype}).to(device)
 
     def batch(self, device):
         found = super().batch(device)
