@@ -229,9 +229,7 @@ def test_a_parameter_that_gets_no_gradient_in_fp32_is_not_asked_to_change():
     # RoCBert's shape and pronunciation embeddings are looked up at padding index 0 when the batch
     # gives no ids for them: an all-zero gradient, in every precision
     gradless = observe(MODELS["hf:roc_bert"]).gradless_parameters
-    assert {"roc_bert.embeddings.shape_embed.weight", "roc_bert.embeddings.pronunciation_embed.weight"} <= set(
-        gradless
-    )
+    assert {"roc_bert.embeddings.shape_embed.weight", "roc_bert.embeddings.pronunciation_embed.weight"} <= set(gradless)
     assert observe(MODELS["hf:qwen2"]).gradless_parameters == ()
 
 

@@ -41,9 +41,11 @@ torch.manual_seed(0)
 model = xLSTMForCausalLM(config).eval()
 ids = torch.randint(3, 99, (2, 8))
 print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-print(f"layer head dims: q/k {config.hidden_size * config.qk_dim_factor / config.num_heads:g}, "
-      f"v {config.hidden_size * config.v_dim_factor / config.num_heads:g}; "
-      f"cache head dims: q/k {config.qk_head_dim}, v {config.v_head_dim}")
+print(
+    f"layer head dims: q/k {config.hidden_size * config.qk_dim_factor / config.num_heads:g}, "
+    f"v {config.hidden_size * config.v_dim_factor / config.num_heads:g}; "
+    f"cache head dims: q/k {config.qk_head_dim}, v {config.v_head_dim}"
+)
 with torch.no_grad():
     model(input_ids=ids, use_cache=False)
     print("fp32 forward, use_cache=False: ok")
