@@ -217,9 +217,7 @@ def _gradless_parameters(kind, model: nn.Module, batch: dict) -> tuple[str, ...]
     batch gives no ids for them): only weight decay moves them, in no precision by learning."""
     model.zero_grad(set_to_none=True)
     kind.loss(model, batch).backward()
-    found = tuple(
-        n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())
-    )
+    found = tuple(n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any()))
     model.zero_grad(set_to_none=True)
     return found
 
