@@ -5,6 +5,7 @@ evaluation against fp32, checkpoint round trip, agreement with the torch engine)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,14 +164,15 @@ class Fp32Training:
 
 RATE_TRAIT = "updates-below-bf16-resolution"
 ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which every engine trains with
+BF16_MANTISSA_BITS = 7
 _STALLED: dict[tuple, tuple[str, ...]] = {}
 
 
 def kind_traits(kind, with_rate: bool = True) -> frozenset[str]:
     """The traits catalogue selectors match (matrix/models/base.py TRAITS): the ones the kind
     declares, else those observed on its model (matrix/observation.py) and, from its learning
-    rate, RATE_TRAIT: AdamW's first step, applied to the kind's weights held in bf16, leaves some
-    trainable tensor exactly as it was (bf16_stalled_tensors). `with_rate=False` leaves RATE_TRAIT
+    rate, RATE_TRAIT: some trainable tensor held in bf16 cannot move at that rate
+    (bf16_stalled_tensors). `with_rate=False` leaves RATE_TRAIT
     out rather than establish the rate (a search that trains: only where a cell asks for it)."""
     from matrix.observation import effective_traits
 
@@ -183,8 +185,9 @@ def kind_traits(kind, with_rate: bool = True) -> frozenset[str]:
 
 
 def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
-    """The trainable tensors that AdamW's first step at `rate` cannot move once the weights are
-    bf16 (those the kind holds in the precision's dtype: precision_weights): the step (decoupled
+    """The trainable tensors that AdamW at `rate` cannot move once the weights are bf16 (those the
+    kind holds in the precision's dtype: precision_weights): a step of the rate is under half a
+    bf16 ulp of the tensor's median weight, or the first step (decoupled
     weight decay, then rate * g / (|g| + eps), which is what Adam's bias-corrected first step
     is) applied to the bf16 weights in fp32 and rounded back to bf16 gives every element back
     unchanged. Gradients from one fp32 training backward of the kind's
@@ -213,7 +216,12 @@ def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
                 weights = p.detach().to(torch.bfloat16)
                 step = weights.float() * (1 - rate * ADAMW_WEIGHT_DECAY)
                 step -= rate * p.grad / (p.grad.abs() + 1e-8)
-                if torch.equal(step.to(torch.bfloat16), weights):
+                # the first step rounds away, or a step of the rate is under half a bf16 ulp of the
+                # tensor's typical (median) weight: later steps, whose momentum has shrunk them
+                # below the rate (a resumed step), round away there (pretrained LayerNorm weights)
+                median = p.detach().abs().median().item()
+                below = median > 0 and rate < 2.0 ** (math.floor(math.log2(median)) - BF16_MANTISSA_BITS - 1)
+                if below or torch.equal(step.to(torch.bfloat16), weights):
                     stalled.append(name)
         _STALLED[key] = tuple(stalled)
     return _STALLED[key]
