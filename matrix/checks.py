@@ -192,8 +192,8 @@ def check_placement(model, device: torch.device, when: str) -> None:
 def fp32_declaration(reason: str) -> str:
     """How a failure names why a weight must be fp32: a _keep_in_fp32_modules pattern, or the
     class's own construction (matrix/declared_dtypes.py)."""
-    if reason.startswith("created in fp32"):
-        return reason
+    if reason.startswith(("created in fp32", "bitsandbytes", "prepare_model_for_kbit_training")):
+        return reason  # the class's own construction, or a quantized base's (matrix/quantization.py)
     return f"the class keeps {reason!r} in fp32: _keep_in_fp32_modules"
 
 

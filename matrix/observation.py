@@ -59,6 +59,9 @@ class Observation:
     parameters: int = 0
     trainable_parameters: int = 0
     layer_norm_modules: int = 0
+    # frozen nn.Linear layers with a bias (Qwen2's q/k/v projections in a peft base): a quantized
+    # base replaces their weight and keeps the bias a plain float parameter
+    frozen_linear_biases: int = 0
     dropout_modules: tuple[str, ...] = ()  # "name (p=0.1)", modules with p > 0
     stochastic_training_forward: bool = False
     created_in_eval_mode: bool = False
@@ -97,6 +100,8 @@ class Observation:
             found.add("adapters")
         if self.layer_norm_modules:
             found.add("layer-norm")
+        if self.frozen_linear_biases:
+            found.add("frozen-linear-bias")
         if self.created_in_eval_mode:
             found.add("from-pretrained")
         if self.loaded_in_eval_mode:
@@ -121,6 +126,7 @@ class Observation:
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
             "layer_norm_modules": self.layer_norm_modules,
+            "frozen_linear_biases": self.frozen_linear_biases,
             "dropout_modules": list(self.dropout_modules),
             "stochastic_training_forward": self.stochastic_training_forward,
             "created_in_eval_mode": self.created_in_eval_mode,
@@ -318,6 +324,10 @@ def _observe(kind) -> Observation:
                 parameters=sum(p.numel() for p in parameters),
                 trainable_parameters=sum(p.numel() for p in parameters if p.requires_grad),
                 layer_norm_modules=sum(isinstance(m, nn.LayerNorm) for m in model.modules()),
+                frozen_linear_biases=sum(
+                    isinstance(m, nn.Linear) and m.bias is not None and not m.bias.requires_grad
+                    for m in model.modules()
+                ),
                 dropout_modules=dropout,
                 stochastic_training_forward=first != second,
                 created_in_eval_mode=created_in_eval_mode,

@@ -25,13 +25,13 @@ PACKAGES: tuple[Package, ...] = (
     Package("lightning", ("lightning", "lightning_fabric", "pytorch_lightning"), stack=True),
     Package("triton", ("triton",), pinned_in_repro=True),  # with liger-kernel: seed 002's stacks only
     Package("liger-kernel", ("liger_kernel",), pinned_in_repro=True),
-    Package("bitsandbytes", ("bitsandbytes",)),
+    Package("bitsandbytes", ("bitsandbytes",), stack=True, pinned_in_repro=True),  # the quantized precisions
     Package("numpy"),
     Package("pytest"),
     Package("pytest-xdist"),
     Package("hypothesis"),
 )
-RECORDED = tuple(p.name for p in PACKAGES if p.name != "bitsandbytes")  # every report's environment.packages
+RECORDED = tuple(p.name for p in PACKAGES)  # every report's environment.packages
 STACK = tuple(p.name for p in PACKAGES if p.stack)
 ORIGIN_MODULES = frozenset(module for p in PACKAGES for module in p.modules)
 PINNED_IN_REPRO = tuple(p.name for p in PACKAGES if p.pinned_in_repro)

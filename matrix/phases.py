@@ -6,6 +6,7 @@ evaluation against fp32, checkpoint round trip, agreement with the torch engine)
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from matrix.signatures import signature_of
 from matrix.tolerances import (
     CHECKPOINT_ROUND_TRIP,
     LOSS_FALL_VS_FP32,
+    QUANTIZED_VS_UNQUANTIZED,
     LossDecrease,
     eval_loss_tolerance,
     loss_decrease_bound,
@@ -92,11 +94,20 @@ class CellState:
         seed_first_training_forward(self, self.model)
         checks.check_dtypes(self.kind.precision_weights(self.model), self.expected_dtypes(self.model), "after build")
         checks.check_frozen_kept(observe(self.kind).frozen_parameters, self.model, "after build")
+        if self.precision.quantization is not None:
+            from matrix.quantization import check_storage
+
+            storage = check_storage(self.model, self.precision.quantization, "after build")
+            self.metrics.quantized = typed.Quantized(storage=storage)
 
     def expected_dtypes(self, model) -> dict:
         """The dtype each of the kind's precision weights must have: the precision's, or fp32
         where the architecture declares a module fp32 and from_pretrained obtained the model."""
         weights = self.kind.precision_weights(model)
+        if self.precision.quantization is not None:
+            from matrix.quantization import storage_expectations
+
+            return storage_expectations(model, weights, self.precision.quantization, self.precision.weights_dtype)
         loaded = self.kind.loaded_in_dtype(self.precision, reloaded=False)
         return declared_dtypes.expected_dtypes(weights, model, self.precision.weights_dtype, loaded)
 
@@ -196,8 +207,6 @@ def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
     rate in a process."""
     key = (kind.name, type(kind), kind.variant, rate)
     if key not in _STALLED:
-        import tempfile
-
         with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="matrix-bf16-step-") as scratch:
             cpu = torch.device("cpu")
             model = kind.build(PRECISIONS["fp32"], cpu, Path(scratch))
@@ -332,11 +341,49 @@ def fp32_reference_model(state: CellState, model):
     return reference.eval()
 
 
+def fp32_reference(state: CellState, model):
+    """The evaluation of `model`'s weights in fp32 on the cell's batch, no autocast: an fp32
+    copy; for a quantized base, the same quantized weights multiplied in fp32 (the quantized
+    precision's own error; the quantization's is check_quantization_error's)."""
+    if state.precision.quantization is None:
+        reference_model = fp32_reference_model(state, model)
+        with torch.no_grad():
+            return state.kind.evaluate(reference_model, state.batch)
+    from matrix.quantization import fp32_compute
+
+    same_base = same_weights_copy(state, model).eval()
+    state.metrics.quantized.fp32_reference = "the same quantized base and adapters, fp32 compute, no autocast"
+    with torch.no_grad(), fp32_compute(same_base):
+        return state.kind.evaluate(same_base, state.batch)
+
+
+def check_quantization_error(state: CellState, model, value: float, label: str) -> None:
+    """The evaluation loss of a quantized cell against the unquantized fp32 model holding the same
+    trained adapters (the rest as created), within its scheme's row (matrix/tolerances.py)."""
+    from matrix.quantization import copy_float_weights
+
+    twin = state.kind.build(PRECISIONS["fp32"], state.device, state.workdir)
+    missing = copy_float_weights(model, twin, trainable_only=True)
+    if missing:
+        raise checks.CheckFailure(
+            "the unquantized model has no place for a trained tensor of the quantized one",
+            details=f"{len(missing)} trainable tensors, first {missing[0]}",
+        )
+    twin.eval()
+    with torch.no_grad():
+        reference = checks.check_finite_loss(state.kind.evaluate(twin, state.batch).loss, "unquantized fp32 loss")
+    tolerance = QUANTIZED_VS_UNQUANTIZED[state.precision.quantization.scheme]
+    record = state.metrics.quantized
+    record.unquantized_loss = reference
+    record.unquantized_deviation_abs = abs(value - reference)
+    record.unquantized_tolerance = typed.Tolerance(**tolerance.as_dict())
+    checks.check_within_tolerance(f"{label} loss against the unquantized model", value, reference, tolerance)
+
+
 def check_against_fp32(state: CellState, result, label: str, model=None) -> None:
     """Evaluation loss vs an fp32 copy of the same weights on the same batch, no autocast."""
-    reference_model = fp32_reference_model(state, state.model if model is None else model)
-    with torch.no_grad():
-        reference = state.kind.evaluate(reference_model, state.batch)
+    model = state.model if model is None else model
+    reference = fp32_reference(state, model)
     value = checks.check_finite_loss(result.loss, f"{label} loss")
     ref_value = checks.check_finite_loss(reference.loss, f"fp32 reference {label} loss")
     tolerance = eval_loss_tolerance(state.cell.model, state.precision.compute_dtype)
@@ -358,6 +405,8 @@ def check_against_fp32(state: CellState, result, label: str, model=None) -> None
             result.generated, reference.generated
         )
     checks.check_within_tolerance(f"{label} loss", value, ref_value, tolerance)
+    if state.precision.quantization is not None:
+        check_quantization_error(state, model, value, label)
 
 
 def position_deviations(logits: torch.Tensor, reference: torch.Tensor, attention_mask) -> dict:
@@ -561,7 +610,14 @@ def same_weights_copy(state: CellState, model):
     """A fresh model of the kind in the precision, holding `model`'s weights: free of any
     forward wrapper a library put on `model`, so outputs compare like with like."""
     copy_ = state.kind.build(state.precision, state.device, state.workdir)
-    copy_.load_state_dict(model.state_dict())
+    if state.precision.quantization is None:
+        copy_.load_state_dict(model.state_dict())
+        return copy_
+    # a quantized base is frozen and quantized alike in every build: the floating tensors carry
+    # what training changed (a state dict's quantized weights do not load into plain modules)
+    from matrix.quantization import copy_float_weights
+
+    copy_float_weights(model, copy_)
     return copy_
 
 
@@ -679,7 +735,76 @@ def check_reload(state: CellState, reloaded, evaluate=None, saved=None) -> None:
                     declared[f"{kind} {name}"] = reason
     checks.check_same_dtypes(checks.tensor_dtypes(saved or state.model), reloaded, "after reload", declared)
     checks.check_frozen_kept(observe(state.kind).frozen_parameters, reloaded, "after reload")
+    adapters = None
+    if state.precision.quantization is not None:
+        from matrix.quantization import check_storage
+
+        check_storage(reloaded, state.precision.quantization, "after reload")
+        if _writes_checkpoints():
+            adapters = Path(tempfile.mkdtemp(prefix="quantized-saves-", dir=state.workdir)) / "adapters"
+            state.kind.save(reloaded, adapters)  # before any evaluation of `reloaded`, which keeps it as loaded
     outputs = (evaluate or evaluate_in_precision)(state, reloaded).logits
     state.metrics.reload_max_abs_difference = checks.check_outputs_equal(
         "eval logits", state.outputs_before_save, outputs, CHECKPOINT_ROUND_TRIP
     )
+    if adapters is not None:
+        check_quantized_saves(state, adapters, evaluate or evaluate_in_precision)
+
+
+def _writes_checkpoints() -> bool:
+    """Whether this process writes checkpoints: not a rank other than 0 of a process group, where
+    transformers' save_pretrained writes nothing (should_save_on_this_rank, transformers 5.x). The
+    quantized saves check a file format, which rank 0 checks for the group."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+
+
+def check_quantized_saves(state: CellState, adapters: Path, evaluate) -> None:
+    """The two other ways users save a quantized fine-tune, each read back bit for bit: the
+    quantized base itself (save_pretrained of the base, as pre-quantized checkpoints are shared)
+    with the adapters over it; and the adapters merged into the quantized base, saved and read
+    back. Each starts from the adapters `adapters` holds over a base quantized anew, and is
+    evaluated before it is saved, as a user evaluates a model before sharing it. Both run; a
+    mismatch in the first is raised after the second was measured too."""
+    mismatches = []
+    for check in (_check_prequantized_save, _check_merged_save):
+        try:
+            check(state, adapters, evaluate)
+        except checks.CheckpointMismatch as mismatch:  # recorded in the metrics; raised below
+            mismatches.append(mismatch)
+    if mismatches:
+        raise mismatches[0]
+
+
+def _check_prequantized_save(state: CellState, adapters: Path, evaluate) -> None:
+    from matrix.quantization import check_storage
+
+    kind, precision, record = state.kind, state.precision, state.metrics.quantized
+    directory = adapters.parent / "quantized-base"
+    model = kind.load(adapters, precision, state.device, state.workdir)
+    before = evaluate(state, model).logits
+    kind.save_quantized_base(model, directory)
+    record.prequantized_files = sorted(p.name for p in directory.iterdir())
+    again = kind.load_over_quantized_base(directory, adapters, precision, state.device, state.workdir)
+    check_storage(again, precision.quantization, "after reading the saved quantized base")
+    outputs = evaluate(state, again).logits
+    record.prequantized_reload_max_abs_difference = (outputs.float() - before.float()).abs().max().item()
+    checks.check_outputs_equal("eval logits over the saved quantized base", before, outputs, CHECKPOINT_ROUND_TRIP)
+
+
+def _check_merged_save(state: CellState, adapters: Path, evaluate) -> None:
+    from matrix.quantization import check_storage
+
+    kind, precision, record = state.kind, state.precision, state.metrics.quantized
+    directory = adapters.parent / "merged"
+    as_adapters = evaluate(state, kind.load(adapters, precision, state.device, state.workdir)).logits
+    merged = kind.merge_quantized(kind.load(adapters, precision, state.device, state.workdir))
+    merged_outputs = evaluate(state, merged).logits
+    record.merged_deviation_max_abs = (merged_outputs.float() - as_adapters.float()).abs().max().item()
+    kind.save_merged(merged, directory)
+    reread = kind.load_merged(directory, precision, state.device)
+    check_storage(reread, precision.quantization, "after reading the saved merged model")
+    outputs = evaluate(state, reread).logits
+    record.merged_reload_max_abs_difference = (outputs.float() - merged_outputs.float()).abs().max().item()
+    checks.check_outputs_equal("eval logits of the saved merged model", merged_outputs, outputs, CHECKPOINT_ROUND_TRIP)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from matrix.quantization import Quantization
 from matrix.registry import Registry
 
 
@@ -32,6 +33,10 @@ class Precision:
     # The dtype gradients are reduced in across ranks (DDP's compress hooks, FSDP's
     # reduce_dtype); None: the gradients' own dtype. Only a distributed engine reduces.
     reduce_dtype: torch.dtype | None = None
+    # A quantized base (matrix/quantization.py): from_pretrained(..., quantization_config=...)
+    # quantizes the kind's linear layers; weights_dtype is the dtype= it is asked for, which the
+    # unquantized weights take. Only kinds that train adapters over a frozen base run it.
+    quantization: Quantization | None = None
 
     def contradictions(self) -> list[str]:
         """Settings that cannot hold together, found before any step runs."""
@@ -46,6 +51,9 @@ class Precision:
     @property
     def compute_dtype(self) -> torch.dtype:
         """Lowest precision the matmuls run in: what the fp32 tolerance is chosen by."""
+        quantized = self.quantization.compute_dtype if self.quantization else None
+        if quantized in HALF_DTYPES:
+            return quantized
         return self.autocast_dtype or self.weights_dtype
 
     @property
@@ -70,6 +78,7 @@ class Precision:
             "grad_dtype": dtype_name(self.grad_dtype) if self.grad_dtype else None,
             "grad_accumulation": self.grad_accumulation,
             "reduce_dtype": dtype_name(self.reduce_dtype) if self.reduce_dtype else None,
+            "quantization": self.quantization.settings() if self.quantization else None,
         }
 
 
@@ -124,6 +133,37 @@ for _precision in (
         False,
         "fp32 master weights, bf16 autocast, gradients reduced across ranks in bf16",
         reduce_dtype=_BF16,
+    ),
+    # Quantized bases (bitsandbytes) under LoRA adapters. QLoRA as its paper and most recipes run
+    # it: NF4 with double quantization, bf16 compute, the Trainer's bf16 autocast on top.
+    Precision(
+        "nf4-bf16-mixed",
+        _BF16,
+        _BF16,
+        False,
+        "QLoRA: NF4 base (double quantization), bf16 compute, bf16 autocast",
+        "load",
+        quantization=Quantization("nf4", _BF16, double_quant=True),
+    ),
+    # the same on a GPU without bf16 (a T4, a V100): fp16 compute, fp16 autocast, GradScaler
+    Precision(
+        "nf4-fp16-mixed",
+        _F16,
+        _F16,
+        True,
+        "QLoRA in fp16: NF4 base (double quantization), fp16 compute, fp16 autocast, GradScaler",
+        "load",
+        quantization=Quantization("nf4", _F16, double_quant=True),
+    ),
+    # Seed 000, llama-recipes' PEFT recipe: load_in_8bit with dtype=float16, fp16 autocast, GradScaler
+    Precision(
+        "int8-fp16-mixed",
+        _F16,
+        _F16,
+        True,
+        "LLM.int8 base (load_in_8bit), fp16 weights loaded, fp16 autocast, GradScaler",
+        "load",
+        quantization=Quantization("int8"),
     ),
 ):
     register(_precision)

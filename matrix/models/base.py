@@ -38,6 +38,10 @@ TRAITS: dict[str, str] = {
         "e_score_correction_bias, which only routes), and its loader gives them back trainable"
     ),
     "layer-norm": "has torch nn.LayerNorm modules, whose weights take the precision's dtype",
+    "frozen-linear-bias": (
+        "has frozen nn.Linear layers with a bias (Qwen2's q/k/v projections under adapters): a quantized base "
+        "replaces their weights and keeps the biases as float parameters"
+    ),
     "from-pretrained": "create() returns the model in eval mode, as from_pretrained() does",
     "loaded-from-pretrained": (
         "in the *-loaded-* precisions the model read back from its checkpoint is in eval mode, as "
@@ -103,6 +107,8 @@ class ModelKind(abc.ABC):
     traits: frozenset[str] | None = None
     explorable = True  # False: exploration (matrix/explore.py) has no variants of it to draw
     learning_rate: float | None = None  # AdamW's, in every engine; None: phases.LEARNING_RATE
+    # trains adapters over a frozen base, which may be quantized (the quantized precisions)
+    quantizable = False
 
     @property
     def variant(self) -> Variant:
@@ -128,6 +134,20 @@ class ModelKind(abc.ABC):
         """Why this kind cannot run on `device` here ("Requires: [...] (...)"), or None."""
         return None
 
+    def precision_skip_reason(self, precision: Precision) -> str | None:
+        """Why this kind cannot run `precision` here ("Requires: [...] (...)"), or None: a
+        quantized base needs a kind that trains adapters over it, and bitsandbytes."""
+        if precision.quantization is None:
+            return None
+        if not self.quantizable:
+            return (
+                f"Requires: [adapters to train over a quantized base] ({self.name} trains its own weights; "
+                f"a {precision.quantization.scheme} weight takes no gradient)"
+            )
+        from matrix.quantization import skip_reason
+
+        return skip_reason()
+
     def check_variant(self, variant: Variant) -> None:
         """Raise InvalidVariant for settings this kind cannot be built with or fed."""
         check_common(variant)
@@ -151,6 +171,8 @@ class ModelKind(abc.ABC):
             if not directory.exists():
                 directory.mkdir(parents=True)
                 self.save(self.initialise(), directory)
+            if precision.quantization is not None:
+                return self.load_quantized(directory, precision, device)
             return self.load_weights(directory, precision.weights_dtype, device)
         model = self.initialise().to(device=device)
         if any(p.dtype != precision.weights_dtype for p in model.parameters()):
@@ -191,6 +213,45 @@ class ModelKind(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The library's own loading API (from_pretrained(dtype=...) and the like)."""
+
+    # A quantizable kind (quantizable = True) builds its adapters over the base build() gets from
+    # load_quantized(), and load() puts saved adapters over a base loaded so again. The saves a
+    # quantized cell also checks (phases.check_quantized_saves) have peft's defaults below.
+
+    def load_quantized(self, directory: Path, precision: Precision, device: torch.device) -> nn.Module:
+        """The library's loading API with the precision's quantization (from_pretrained(...,
+        quantization_config=...)); with precision.quantization None, a checkpoint saved
+        quantized (its config carries the quantization)."""
+        raise NotImplementedError(f"{self.name} has no quantized loading")
+
+    def save_quantized_base(self, model: nn.Module, directory: Path) -> None:
+        """The quantized base alone, as pre-quantized checkpoints are shared: save_pretrained of
+        the model without its adapters (peft's unload() takes them out; `model` is spent)."""
+        model.unload().save_pretrained(directory)
+
+    def load_over_quantized_base(self, base: Path, adapters: Path, precision: Precision, device, workdir) -> nn.Module:
+        """A base saved quantized, read back, prepared as build() prepares one, the adapters on top."""
+        from dataclasses import replace
+
+        from peft import PeftModel
+
+        from matrix.quantization import prepare_for_training
+
+        model = self.load_quantized(base, replace(precision, quantization=None), device)
+        model = prepare_for_training(model, precision.quantization)
+        return PeftModel.from_pretrained(model, adapters, is_trainable=True)
+
+    def merge_quantized(self, model: nn.Module) -> nn.Module:
+        """The adapters merged into the quantized base (peft's merge_and_unload)."""
+        return model.merge_and_unload()
+
+    def save_merged(self, merged: nn.Module, directory: Path) -> None:
+        merged.save_pretrained(directory)
+
+    def load_merged(self, directory: Path, precision: Precision, device) -> nn.Module:
+        from dataclasses import replace
+
+        return self.load_quantized(directory, replace(precision, quantization=None), device)
 
     def loaded_in_dtype(self, precision: Precision, reloaded: bool) -> bool:
         """Whether the model build() gives (or, `reloaded`, the one load() gives) comes from the

@@ -135,3 +135,11 @@ class CausalLMKind(base.ModelKind):
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
         return self.model_class.from_pretrained(directory, **{dtype_argument(): dtype}).to(device)
+
+    def load_quantized(self, directory: Path, precision, device: torch.device):
+        # as QLoRA scripts load: quantization_config, the dtype of the unquantized weights, and a
+        # device map (a bitsandbytes model is quantized where it is placed, not moved after)
+        quantization = {"quantization_config": precision.quantization.config()} if precision.quantization else {}
+        return self.model_class.from_pretrained(
+            directory, **quantization, **{dtype_argument(): precision.weights_dtype}, device_map={"": str(device)}
+        )

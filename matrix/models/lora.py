@@ -21,6 +21,7 @@ class Lora(CausalLMKind):
     description = "peft LoRA (r=4, q_proj/v_proj) on tiny-llama"
     variant_fields = (*DECODER_FIELDS, "lora_rank", "lora_targets")
     base_kind = TinyLlama()
+    quantizable = True
 
     def standalone_code(self) -> str:
         from matrix.models.standalone import lora_code
@@ -55,7 +56,17 @@ class Lora(CausalLMKind):
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)  # adapter initialisation
-            return get_peft_model(self.base.build(precision, device, workdir), self.lora_config())
+            return get_peft_model(self.base_model(precision, device, workdir), self.lora_config())
+
+    def base_model(self, precision, device, workdir):
+        """The base as the precision obtains it; a quantized one prepared for training as QLoRA
+        scripts prepare it (matrix/quantization.py)."""
+        base = self.base.build(precision, device, workdir)
+        if precision.quantization is None:
+            return base
+        from matrix.quantization import prepare_for_training
+
+        return prepare_for_training(base, precision.quantization)
 
     def create(self):
         raise NotImplementedError("lora is built on top of tiny-llama, see build()")
@@ -67,8 +78,10 @@ class Lora(CausalLMKind):
         # As peft users do: the base model obtained as before, then the saved adapter on top.
         from peft import PeftModel
 
-        base = self.base.build(precision, device, workdir)
-        return PeftModel.from_pretrained(base, directory, is_trainable=True)
+        return PeftModel.from_pretrained(self.base_model(precision, device, workdir), directory, is_trainable=True)
+
+    def load_quantized(self, directory: Path, precision, device):
+        return self.base.load_quantized(directory, precision, device)
 
     def loaded_in_dtype(self, precision, reloaded: bool) -> bool:
         # the base comes back the way build() obtained it; the adapters are peft's

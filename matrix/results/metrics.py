@@ -182,6 +182,21 @@ class LossDecrease(Record):
 
 
 @dataclass(slots=True)
+class Quantized(Record):
+    """A quantized base (matrix/quantization.py): its storage, its two deviations, its saves."""
+
+    storage: dict | None = UNSET  # quantized layers, their storage dtype, what stayed unquantized
+    fp32_reference: str | None = UNSET  # what the cell's fp32_reference_loss is computed from
+    unquantized_loss: float | None = UNSET  # the unquantized fp32 model with the same adapters
+    unquantized_deviation_abs: float | None = UNSET  # |eval_loss - unquantized_loss|
+    unquantized_tolerance: Tolerance | None = UNSET  # what that deviation may be
+    prequantized_files: list | None = UNSET  # the files of the base saved quantized
+    prequantized_reload_max_abs_difference: float | None = UNSET  # eval logits, before vs over the reread base
+    merged_deviation_max_abs: float | None = UNSET  # eval logits, merged into the base vs as adapters
+    merged_reload_max_abs_difference: float | None = UNSET  # eval logits, merged model saved vs reread
+
+
+@dataclass(slots=True)
 class CellMetrics(Record):
     """What a cell's phases measured, as far as the cell got."""
 
@@ -205,6 +220,7 @@ class CellMetrics(Record):
     fp32_deviation_abs: float | None = UNSET  # |eval_loss - fp32_reference_loss|
     fp32_deviation_rel: float | None = UNSET  # that, relative to the reference
     fp32_tolerance: Tolerance | None = UNSET  # what deviation the check allows
+    quantized: Quantized | None = UNSET  # a quantized base's storage, deviations and saves
     eval_logits_dtype: str | None = UNSET  # the dtype of the eval logits
     eval_cache_type: str | None = UNSET  # a causal LM's KV cache class in evaluation
     real_position_logits_max_abs_deviation: float | None = UNSET  # largest |logit - fp32 logit|, real tokens
