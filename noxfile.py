@@ -172,6 +172,25 @@ def real(session: nox.Session) -> None:
 
 
 @nox.session
+def sweep(session: nox.Session) -> None:
+    """One cell selection over several releases of a package: a compatibility table.
+
+    nox -s sweep -- --package transformers --last 4 --model lora --device cpu
+    Each release goes into a reused scratch environment (.bisect/<stack>), like bisect's.
+    """
+    install_stack(session)
+    session.run("python", "-m", "matrix", "sweep", *session.posargs)
+
+
+@nox.session
+def releases(session: nox.Session) -> None:
+    """docs/RELEASES.md, regenerated: the sweeps matrix/releases.toml lists (transformers, peft,
+    accelerate, torch), then the page. Long: one matrix run per release."""
+    install_stack(session)
+    session.run("python", "-m", "matrix", "releases", "--output", str(ROOT / "docs" / "RELEASES.md"), *session.posargs)
+
+
+@nox.session
 def bisect(session: nox.Session) -> None:
     """The release that changed one cell: nox -s bisect -- --package P --good V1 --bad V2 --cell ID [--stack S]
 

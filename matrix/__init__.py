@@ -38,5 +38,9 @@ Where things live (one home each):
   runner.py        - python -m matrix run: the crash- and hang-surviving supervisor
   strategies.py, explore.py - hypothesis exploration of the variants the grid does not run
   repro.py, bisect.py, stacks.py - standalone scripts, bisection, pinned version stacks
+  sweep.py         - one selection over several releases of a package (releases.toml: the
+                     published table's sweeps); results/sweep_table.py renders it
+  release_bisect.py - the nightly diff's bisection of new failures over the changed packages
+  quantization.py  - bitsandbytes quantized bases: schemes, storage checks, the install requirement
   import_graph.py  - the package's import graph (python -m matrix.import_graph)
 """

@@ -52,6 +52,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     bisect.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to bisect on")
     bisect.add_argument("--report-dir", default=None, help="default: reports/ here")
+    sweep = commands.add_parser(
+        "sweep",
+        help="run a cell selection over several releases of one package: a compatibility table "
+        "(arguments it does not know are the selection, as for python -m matrix run)",
+    )
+    sweep.add_argument("--package", required=True)
+    releases = sweep.add_mutually_exclusive_group(required=True)
+    releases.add_argument("--last", type=int, help="the N newest releases pip's index lists")
+    releases.add_argument("--versions", help="these releases, comma-separated")
+    sweep.add_argument("--newest", help="with --last: the newest release to include (default: the newest listed)")
+    sweep.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to sweep on")
+    sweep.add_argument("--report-dir", default=None, help="default: reports/ here")
+    published = commands.add_parser(
+        "releases", help="the published compatibility table: the sweeps of matrix/releases.toml, then the page"
+    )
+    published.add_argument("-o", "--output", type=Path, required=True, help="the page, e.g. docs/RELEASES.md")
+    published.add_argument(
+        "--from", dest="sweeps", type=Path, nargs="+", help="write the page from these sweep directories, running none"
+    )
+    published.add_argument("--report-dir", default=None, help="where the sweeps go (default: reports/ here)")
     repro = commands.add_parser("repro", help="write a standalone script that reproduces one cell")
     repro.add_argument("-p", dest="plugins", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     repro.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
@@ -83,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="F",
         help="drift: fp32 deviation grown by more than F times what the tolerance allows (default 0.25)",
+    )
+    compare.add_argument(
+        "--bisect-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="when there are new failures and package versions differ between the runs, bisect each new "
+        "signature's first cell over every changed package, for at most this long (matrix/release_bisect.py)",
+    )
+    compare.add_argument("--bisect-stack", help="the stack to bisect on (default: the new run's, else default)")
+    compare.add_argument(
+        "--bisect-dir", type=Path, help="where the bisections and repro scripts go (default: reports/ here)"
     )
     merge = commands.add_parser("merge", help="combine shard reports (--shard K/N) into one run")
     merge.add_argument("inputs", nargs="+", type=Path, help="report directories or results.json files")
@@ -126,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(script)
         return 0
 
+    if args.command == "sweep":
+        return sweep_releases(args, extra)
+    if args.command == "releases":
+        return publish_releases(args)
+
     from matrix.bisect import BisectError
     from matrix.bisect import bisect as run_bisect
 
@@ -136,6 +173,62 @@ def main(argv: list[str] | None = None) -> int:
     except BisectError as error:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def sweep_releases(args, selection: list[str]) -> int:
+    from matrix.bisect import BisectError
+    from matrix.results.run_directory import reports_root
+    from matrix.sweep import chosen_versions, sweep
+
+    try:
+        versions = chosen_versions(args.versions) if args.versions else None
+        _, directory = sweep(
+            args.package,
+            versions=versions,
+            last=args.last,
+            newest=args.newest,
+            stack_name=args.stack,
+            selection=selection,
+            reports_root=reports_root(args.report_dir),
+        )
+    except BisectError as error:  # SweepError included: bad input, or a scratch environment that cannot be built
+        print(f"python -m matrix sweep: {error}", file=sys.stderr)
+        return 2
+    print(f"written: {directory / 'sweep.md'}, {directory / 'sweep.html'}, {directory / 'sweep.json'}")
+    return 0
+
+
+def publish_releases(args) -> int:
+    import json
+
+    from matrix.bisect import BisectError
+    from matrix.results.run_directory import reports_root
+    from matrix.results.sweep_table import releases_page
+    from matrix.sweep import chosen_versions, published_sweeps, sweep
+
+    documents = []
+    try:
+        if args.sweeps:
+            documents = [json.loads((Path(d) / "sweep.json").read_text()) for d in args.sweeps]
+        else:
+            selection, sweeps = published_sweeps()
+            for entry in sweeps:
+                document, _ = sweep(
+                    entry["package"],
+                    versions=chosen_versions(",".join(entry["versions"])) if "versions" in entry else None,
+                    last=entry.get("last"),
+                    newest=None,
+                    stack_name="default",
+                    selection=selection,
+                    reports_root=reports_root(args.report_dir),
+                )
+                documents.append(document)
+    except (BisectError, OSError) as error:
+        print(f"python -m matrix releases: {error}", file=sys.stderr)
+        return 2
+    args.output.write_text(releases_page(documents, "nox -s releases"))
+    print(f"written: {args.output}")
     return 0
 
 
@@ -169,6 +262,21 @@ def diff_runs(args) -> int:
         return 2
     fraction = compare.DRIFT_FRACTION if args.drift_threshold is None else args.drift_threshold
     result = compare.diff(old, new, old_source=str(old_file), new_source=str(new_file), drift_fraction=fraction)
+    if args.bisect_budget is not None and result.changes["new"] and result.packages:
+        from matrix.release_bisect import bisect_new_failures
+        from matrix.results.run_directory import reports_root
+
+        stack = args.bisect_stack or result.new_run.get("stack") or "default"
+        output = (args.bisect_dir or reports_root(None)) / f"diff-bisect-{new['run']['id']}"
+        result.bisections = bisect_new_failures(
+            result.changes["new"],
+            result.packages,
+            stack=stack,
+            budget_s=args.bisect_budget,
+            output=output,
+            new_run=new_file,
+            log=lambda line: print(line, file=sys.stderr),
+        )
     markdown, as_json = compare.diff_markdown(result, fail_on), compare.diff_json(result, fail_on)
     for path, text in ((args.md_out, markdown), (args.json_out, as_json)):
         if path:

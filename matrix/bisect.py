@@ -176,8 +176,18 @@ class ScratchEnvironment:
 
 
 def bisect(
-    package: str, good: str, bad: str, cell: str, stack_name: str, reports_root: Path, extra: list[str], log=print
+    package: str,
+    good: str,
+    bad: str,
+    cell: str,
+    stack_name: str,
+    reports_root: Path,
+    extra: list[str],
+    log=print,
+    deadline: float | None = None,
 ) -> dict:
+    """`deadline` (time.monotonic()): no new release is tried after it; the bisection stops
+    with a BisectError naming what it tried."""
     from matrix.selection import cell_from_id
 
     stacks = version_stacks.load()
@@ -188,10 +198,10 @@ def bisect(
     env = ScratchEnvironment(stacks[stack_name], os.environ.get("MATRIX_TORCH", DEFAULT_TORCH))
     log(f"scratch environment for stack {stack_name}: {env.path}")
     with env.held(log):
-        return _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log)
+        return _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log, deadline)
 
 
-def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log) -> dict:
+def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log, deadline=None) -> dict:
     env.ensure()
     versions = versions_between(env.released_versions(package), good, bad)
     log(f"{len(versions)} releases of {package} from {versions[0]} to {versions[-1]}")
@@ -199,6 +209,9 @@ def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, 
 
     def state_of(version: str) -> str:
         if version not in trials:
+            if deadline is not None and time.monotonic() > deadline:
+                tried = ", ".join(f"{v}: {t.state}" for v, t in trials.items()) or "nothing"
+                raise BisectError(f"the time budget ran out before {package}=={version} (tried {tried})")
             trials[version] = env.run_cell(package, version, cell, extra)
             log(f"  {package}=={version}: {trials[version].state}")
         if trials[version].state.startswith("error"):

@@ -73,8 +73,10 @@ def created_fp32(model: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
         return ()
     key = (type(declaring), declaring.config.to_json_string(), dtype)
     if key not in _CREATED_FP32:
+        from matrix.models.hf import dtype_argument  # torch_dtype before transformers 4.56
+
         with torch.random.fork_rng(devices=[]):
-            built = build(copy.deepcopy(declaring.config), dtype=dtype)
+            built = build(copy.deepcopy(declaring.config), **{dtype_argument(): dtype})
         saved = built.state_dict().keys()  # buffers the loader reads (not the recomputed, non-persistent ones)
         tensors = [*built.named_parameters(), *((n, b) for n, b in built.named_buffers() if n in saved)]
         _CREATED_FP32[key] = tuple(n for n, t in tensors if t.dtype == torch.float32)

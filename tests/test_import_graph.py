@@ -10,8 +10,14 @@ from pathlib import Path
 from matrix import import_graph
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS_LAYER = ("matrix.results", "matrix.cell", "matrix.shards", "matrix.packages", "matrix.recording")
-STACK = {"torch", "transformers", "peft", "accelerate", "lightning", "safetensors", "triton", "numpy"}
+RESULTS_LAYER = (
+    "matrix.results",
+    "matrix.cell",
+    "matrix.shards",
+    "matrix.packages",
+    "matrix.recording",
+)
+STACK = {"torch", "transformers", "peft", "accelerate", "lightning", "safetensors", "triton", "numpy", "bitsandbytes"}
 
 
 def test_the_package_has_no_import_circles():

@@ -53,6 +53,9 @@ class Diff:
     packages: dict[str, tuple]  # name -> (old version, new version), only those that differ
     changes: dict[str, list[dict]] = field(default_factory=lambda: {c: [] for c in CATEGORIES})
     unchanged: int = 0
+    # the release that broke each new failure (matrix/release_bisect.py), when the diff was
+    # asked to bisect (--bisect-budget)
+    bisections: list[dict] = field(default_factory=list)
 
     def gating(self, fail_on) -> dict[str, int]:
         return {category: len(self.changes[category]) for category in fail_on if self.changes[category]}
@@ -67,6 +70,7 @@ class Diff:
             "counts": {category: len(items) for category, items in self.changes.items()},
             "unchanged_cells": self.unchanged,
             "changes": self.changes,
+            "bisections": self.bisections,
         }
 
 
@@ -273,7 +277,31 @@ def diff_markdown(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:
     if new_signatures:
         lines += ["", "### New signatures", ""]
         lines += [f"- `{sig}`: {_md(text)}" for sig, text in new_signatures.items()]
+    if result.bisections:
+        lines += ["", "## Which release broke it", ""]
+        lines += [
+            f"- `{b['signature']}` ({b['cells']} cells; bisected `{b['cell']}`): {_md(bisection_verdict(b))}"
+            for b in result.bisections
+        ]
     return "\n".join(lines) + "\n"
+
+
+def bisection_verdict(record: dict) -> str:
+    """One line of the diff report for a record."""
+    package, status = record["package"], record["status"]
+    if status == "found":
+        first, last = record["first_changed"], record["last_before"]
+        if record["direction"] == "up":
+            line = f"first bad: {package} {first} (last good: {last}; {record['from_state']} -> {record['to_state']})"
+        else:
+            line = (
+                f"{package} went down: the cell changes at {first} (below it, from {last} down, "
+                f"{record['from_state']}; from {first} up, {record['to_state']})"
+            )
+        return line + (f"; repro: {record['repro']}" if record.get("repro") else "")
+    if status == "same at both ends":
+        return f"not {package}: {record['old']} and {record['new']} give the same result"
+    return f"{package} {record['old']} -> {record['new']}: {status} ({record.get('detail')})"
 
 
 def diff_json(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:

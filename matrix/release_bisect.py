@@ -1,0 +1,126 @@
+"""The nightly names the release: bisect each new failure over the packages that changed.
+
+`python -m matrix diff OLD NEW --bisect-budget SECONDS` calls `bisect_new_failures` when the
+diff has new failures and the two runs' package versions differ. Per new signature it takes one
+cell (the first, in id order) and, per package whose version changed, bisects that cell between
+the old run's and the new run's version (matrix/bisect.py: the releases in between, a scratch
+environment for the new run's stack). What it finds:
+
+- `found`: the first release where the cell's state changes. In the nightly direction (the
+  package moved up) that is the release that broke it: "first bad";
+- `same at both ends`: the cell gives the same result with the old and the new release of
+  that package: not this package (or not reproducible outside the run);
+- `error`: the bisection could not run (a release that does not install, a version pip's index
+  does not list), with its message;
+- `not run`: the time budget was spent before it started.
+
+Each found failure also gets a standalone script (`python -m matrix repro`, torch-engine cells)
+beside the bisections, so the report links something to paste into an upstream issue.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from matrix.bisect import BisectError
+
+
+def _direction(old: str, new: str) -> str:
+    try:
+        return "up" if Version(new) > Version(old) else "down"
+    except InvalidVersion:
+        return "unknown"
+
+
+def representatives(new_changes: list[dict]) -> list[tuple[str, str, list[str]]]:
+    """(signature id, its text, the cells) per new signature, most cells first; the first cell
+    in id order stands for them all."""
+    groups: dict[str, tuple[str, list[str]]] = {}
+    for change in new_changes:
+        brief = change["new"]
+        signature = brief.get("signature") or f"phase {brief.get('phase')}"
+        groups.setdefault(signature, (brief.get("signature_text") or "", []))[1].append(change["cell"])
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1][1]), item[0]))
+    return [(signature, text, sorted(cells)) for signature, (text, cells) in ordered]
+
+
+def bisect_new_failures(
+    new_changes: list[dict],
+    packages: dict[str, tuple],
+    *,
+    stack: str,
+    budget_s: float,
+    output: Path,
+    new_run: Path | None = None,
+    bisect_fn=None,
+    repro_fn=None,
+    clock=time.monotonic,
+    log=print,
+) -> list[dict]:
+    """One record per (new signature, changed package), in the order they were tried."""
+    if bisect_fn is None:
+        from matrix.bisect import bisect as bisect_fn
+    if repro_fn is None:
+        repro_fn = _write_repro
+    deadline = clock() + budget_s
+    output.mkdir(parents=True, exist_ok=True)
+    records = []
+    for signature, text, cells in representatives(new_changes):
+        cell = cells[0]
+        for package, (old, new) in sorted(packages.items()):
+            record = {
+                "signature": signature,
+                "signature_text": text,
+                "cell": cell,
+                "cells": len(cells),
+                "package": package,
+                "old": old,
+                "new": new,
+                "direction": _direction(str(old), str(new)) if old and new else "unknown",
+            }
+            records.append(record)
+            if not old or not new:
+                record.update(status="error", detail=f"{package} is absent from one run ({old} -> {new})")
+                continue
+            left = deadline - clock()
+            if left <= 0:
+                record.update(status="not run", detail=f"the bisection budget ({budget_s:.0f} s) was spent")
+                continue
+            start = clock()
+            try:
+                found = bisect_fn(package, str(old), str(new), cell, stack, output, [], log=log, deadline=start + left)
+            except BisectError as error:
+                same = "nothing to bisect" in str(error)
+                record.update(status="same at both ends" if same else "error", detail=str(error))
+            else:
+                record.update(
+                    status="found",
+                    first_changed=found["first_changed"],
+                    last_before=found["last_before_change"],
+                    from_state=found["from_state"],
+                    to_state=found["to_state"],
+                    tried=[trial["version"] for trial in found["evidence"]],
+                )
+                record["repro"] = repro_fn(cell, new_run, output)
+            record["seconds"] = round(clock() - start, 1)
+    (output / "bisections.json").write_text(json.dumps(records, indent=2) + "\n")
+    return records
+
+
+def _write_repro(cell: str, new_run: Path | None, output: Path) -> str | None:
+    """The standalone script of the cell, with the new run's pins; None where repro cannot
+    write one (only torch-engine cells are written so far): the reason is in the log."""
+    from matrix.repro import ReproError, generate
+
+    try:
+        script = generate(cell, new_run, None)
+    except ReproError as error:
+        print(f"no repro script for {cell}: {error}")
+        return None
+    path = output / f"repro-{cell}.py"
+    path.write_text(script)
+    return str(path)

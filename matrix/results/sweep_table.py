@@ -1,0 +1,271 @@
+"""The compatibility table of a release sweep (matrix/sweep.py): release x cell, folded.
+
+A sweep document (sweep.json) holds, per release of the swept package, whether it installed
+and imported with the rest of the stack and, where it ran, each cell's state. From it:
+
+- `cell_states`: cell id -> release -> state ("passed", "failed <signature id>", "skipped");
+  a release that did not install or import has no states;
+- `first_changes`: per cell whose state differs between consecutive releases that ran, the
+  first release of each change and the state before and after;
+- `folded`: rows precision x engine, a column per release, each entry the cells of that row
+  counted by state (the models, modes and devices folded together);
+- `sweep_markdown` and `sweep_html`: the same as a page.
+
+Standard library only: reading a sweep needs no torch.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import Counter
+from itertools import pairwise
+
+from matrix.results.files import AXES
+
+RAN = "ran"
+# the other packages a release row names (the rest of the stack is in sweep.json)
+STACK_SHOWN = ("torch", "transformers", "peft", "accelerate", "lightning", "bitsandbytes")
+
+
+def cell_state(cell: dict) -> str:
+    """What is compared across releases: the raw result, catalogue classification aside (a
+    known failure is a failure with its signature, a fixed cell a pass)."""
+    if cell["outcome"] in ("passed", "fixed"):
+        return "passed"
+    if cell["outcome"] in ("failed", "known"):
+        signature = cell.get("signature") or {}
+        return f"failed {signature.get('id') or cell.get('phase') or '?'}"
+    return cell["outcome"]  # skipped
+
+
+def releases_ran(document: dict) -> list[str]:
+    return [r["version"] for r in document["releases"] if r["status"] == RAN]
+
+
+def cell_states(document: dict) -> dict[str, dict[str, str]]:
+    states: dict[str, dict[str, str]] = {}
+    for release in document["releases"]:
+        for cell_id, cell in (release.get("cells") or {}).items():
+            states.setdefault(cell_id, {})[release["version"]] = cell["state"]
+    return states
+
+
+def first_changes(document: dict) -> list[dict]:
+    """Each change of a cell's state between consecutive releases that ran it, in release order."""
+    order = releases_ran(document)
+    changes = []
+    for cell_id, by_release in sorted(cell_states(document).items()):
+        seen = [(v, by_release[v]) for v in order if v in by_release]
+        for (before_version, before), (version, after) in pairwise(seen):
+            if before != after:
+                changes.append(
+                    {
+                        "cell": cell_id,
+                        "first_release": version,
+                        "last_before": before_version,
+                        "from": before,
+                        "to": after,
+                    }
+                )
+    return changes
+
+
+def _row_key(cell: dict) -> tuple[str, str]:
+    return cell["precision"], cell["engine"]
+
+
+def folded(document: dict) -> dict[tuple[str, str], dict[str, Counter]]:
+    """(precision, engine) -> release -> Counter of states over the row's cells."""
+    rows: dict[tuple[str, str], dict[str, Counter]] = {}
+    for release in document["releases"]:
+        for cell in (release.get("cells") or {}).values():
+            rows.setdefault(_row_key(cell), {}).setdefault(release["version"], Counter())[cell["state"]] += 1
+    precision_order = {p: i for i, p in enumerate(document.get("axis_order", {}).get("precision", []))}
+    engine_order = {e: i for i, e in enumerate(document.get("axis_order", {}).get("engine", []))}
+    return dict(
+        sorted(
+            rows.items(),
+            key=lambda item: (precision_order.get(item[0][0], 99), item[0][0], engine_order.get(item[0][1], 99)),
+        )
+    )
+
+
+def signature_texts(document: dict) -> dict[str, str]:
+    texts = {}
+    for release in document["releases"]:
+        for cell in (release.get("cells") or {}).values():
+            if cell["state"].startswith("failed ") and cell.get("signature_text"):
+                texts.setdefault(cell["state"].split(" ", 1)[1], cell["signature_text"])
+    return texts
+
+
+def _entry(counter: Counter | None) -> str:
+    if not counter:
+        return "-"
+    parts = []
+    for state, n in sorted(counter.items(), key=lambda item: (item[0] != "passed", item[0])):
+        label = "ok" if state == "passed" else state.replace("failed ", "")
+        parts.append(f"{n} {label}")
+    return ", ".join(parts)
+
+
+def _not_run(release: dict) -> str:
+    return f"{release['status']}: {release.get('detail') or ''}".strip().rstrip(":")
+
+
+def _md(text) -> str:
+    return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def sweep_markdown(document: dict) -> str:
+    package, releases = document["package"], document["releases"]
+    lines = [
+        f"# Release sweep: {package}",
+        "",
+        f"{len(releases)} releases of {package} ({', '.join(r['version'] for r in releases)}); "
+        f"stack `{document['stack']}`, selection `{' '.join(document['selection']) or '(every cell)'}`; "
+        f"{document.get('wall_s', 0):.0f} s, scratch environment {document.get('environment_mb', '?')} MB.",
+        "",
+        "| release | status | cells | passed | failed | skipped | other packages | seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in releases:
+        counts = Counter(c["state"].split(" ")[0] for c in (r.get("cells") or {}).values())
+        packages = r.get("packages") or {}
+        others = ", ".join(f"{k} {packages[k]}" for k in STACK_SHOWN if k != package and packages.get(k))
+        status = "ran" if r["status"] == RAN else _md(_not_run(r))
+        lines.append(
+            f"| {r['version']} | {status} | {len(r.get('cells') or {})} | {counts['passed']} | {counts['failed']} "
+            f"| {counts['skipped']} | {_md(others)} | {r.get('seconds', 0):.0f} |"
+        )
+    ran = releases_ran(document)
+    rows = folded(document)
+    if rows:
+        lines += ["", "## Precision x engine, by release", ""]
+        lines += ["| precision | engine | " + " | ".join(ran) + " |", "|---|---|" + "---|" * len(ran)]
+        for (precision, engine), by_release in rows.items():
+            lines.append(
+                f"| {precision} | {engine} | " + " | ".join(_md(_entry(by_release.get(v))) for v in ran) + " |"
+            )
+    changes = first_changes(document)
+    lines += ["", "## Where a cell changed", ""]
+    if not changes:
+        lines.append(f"No cell changed its state across the {len(ran)} releases that ran.")
+    else:
+        grouped: dict[tuple, list[str]] = {}
+        for change in changes:
+            grouped.setdefault(
+                (change["first_release"], change["last_before"], change["from"], change["to"]), []
+            ).append(change["cell"])
+        lines += ["| first release | last before | from | to | cells |", "|---|---|---|---|---|"]
+        for (first, last, before, after), cells in grouped.items():
+            shown = ", ".join(f"`{c}`" for c in cells[:6]) + (f" and {len(cells) - 6} more" if len(cells) > 6 else "")
+            lines.append(f"| {first} | {last} | {before} | {after} | {len(cells)}: {shown} |")
+    texts = signature_texts(document)
+    if texts:
+        lines += ["", "## Signatures", ""]
+        lines += [f"- `{sig}`: {_md(text)}" for sig, text in sorted(texts.items())]
+    return "\n".join(lines) + "\n"
+
+
+CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1rem 1.5rem; }
+table { border-collapse: collapse; margin: .5rem 0 1.2rem; }
+th, td { border: 1px solid #c8c8c8; padding: 2px 6px; text-align: left; vertical-align: top; }
+th { background: #eef0f3; }
+td.ok { background: #d4edda; } td.bad { background: #f8d7da; } td.mixed { background: #fff3cd; }
+td.none { color: #999; }
+code { font: 12px ui-monospace, monospace; }
+"""
+
+
+def _class(counter: Counter | None) -> str:
+    if not counter:
+        return "none"
+    failed = sum(n for state, n in counter.items() if state.startswith("failed"))
+    passed = counter.get("passed", 0)
+    return "bad" if failed and not passed else "mixed" if failed else "ok" if passed else "none"
+
+
+def sweep_html(document: dict) -> str:
+    e = html.escape
+    ran = releases_ran(document)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>Release sweep: {e(document['package'])}</title><style>{CSS}</style></head><body>",
+        f"<h1>Release sweep: {e(document['package'])}</h1>",
+        f"<p>stack <code>{e(document['stack'])}</code>, selection "
+        f"<code>{e(' '.join(document['selection']) or '(every cell)')}</code></p>",
+        "<table><tr><th>release</th><th>status</th><th>cells</th><th>seconds</th></tr>",
+    ]
+    for r in document["releases"]:
+        status = "ran" if r["status"] == RAN else _not_run(r)
+        parts.append(
+            f"<tr><td>{e(r['version'])}</td><td>{e(status)}</td><td>{len(r.get('cells') or {})}</td>"
+            f"<td>{r.get('seconds', 0):.0f}</td></tr>"
+        )
+    parts.append("</table>")
+    rows = folded(document)
+    if rows:
+        parts.append("<h2>Precision x engine, by release</h2><table><tr><th>precision</th><th>engine</th>")
+        parts += [f"<th>{e(v)}</th>" for v in ran]
+        parts.append("</tr>")
+        for (precision, engine), by_release in rows.items():
+            parts.append(f"<tr><td>{e(precision)}</td><td>{e(engine)}</td>")
+            parts += [f"<td class='{_class(by_release.get(v))}'>{e(_entry(by_release.get(v)))}</td>" for v in ran]
+            parts.append("</tr>")
+        parts.append("</table>")
+    changes = first_changes(document)
+    parts.append("<h2>Where a cell changed</h2>")
+    if changes:
+        parts.append("<table><tr><th>cell</th><th>first release</th><th>last before</th><th>from</th><th>to</th></tr>")
+        parts += [
+            f"<tr><td><code>{e(c['cell'])}</code></td><td>{e(c['first_release'])}</td><td>{e(c['last_before'])}</td>"
+            f"<td>{e(c['from'])}</td><td>{e(c['to'])}</td></tr>"
+            for c in changes
+        ]
+        parts.append("</table>")
+    else:
+        parts.append(f"<p>No cell changed its state across the {len(ran)} releases that ran.</p>")
+    texts = signature_texts(document)
+    if texts:
+        parts.append("<h2>Signatures</h2><ul>")
+        parts += [f"<li><code>{e(sig)}</code>: {e(text)}</li>" for sig, text in sorted(texts.items())]
+        parts.append("</ul>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def brief_cell(cell: dict) -> dict:
+    """What a sweep keeps of a results.json cell."""
+    signature = cell.get("signature") or {}
+    kept = {axis: cell[axis] for axis in AXES}
+    kept.update(
+        state=cell_state(cell),
+        outcome=cell["outcome"],
+        known_failure=(cell.get("known_failure") or {}).get("id"),
+        signature_text=signature.get("text"),
+        skip_reason=cell.get("skip_reason"),
+    )
+    return kept
+
+
+def releases_page(documents: list[dict], command: str) -> str:
+    """docs/RELEASES.md: every sweep of the published table, one section each."""
+    lines = [
+        "# Releases: which versions work together",
+        "",
+        f"Generated by `{command}` from the sweeps in matrix/releases.toml; do not edit by hand.",
+        "Each section swaps one package's releases into the default stack (the other packages as",
+        "pip resolves them beside it, listed per release) and runs the same cells on each. A",
+        "cell's state is its raw result: `ok`, or the failure's signature (catalogued or not).",
+        "",
+    ]
+    if documents:
+        first = documents[0]
+        lines += [f"Selection: `{' '.join(first['selection'])}`.", ""]
+    for document in documents:
+        section = sweep_markdown(document).splitlines()
+        section[0] = f"## {document['package']}"
+        lines += [line if not line.startswith("## ") else "#" + line for line in section] + [""]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,256 @@
+"""Releases as an axis (issue 28): the release sweep, its table, and the nightly's bisection of
+new failures over the packages that changed."""
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version as installed
+from pathlib import Path
+
+import pytest
+
+from matrix import release_bisect, sweep
+from matrix.bisect import BisectError, ScratchEnvironment
+from matrix.results import compare, sweep_table
+from matrix.stacks import load as load_stacks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_last_releases_are_the_newest_finals_oldest_first():
+    listed = ["4.51.0", "4.50.3", "4.52.0rc1", "4.50.0", "not-a-version", "4.49.0", "2.13.0+cpu"]
+    assert sweep.last_releases(listed, 3) == ["4.50.0", "4.50.3", "4.51.0"]
+    assert sweep.last_releases(listed, 2, newest="4.50.3") == ["4.50.0", "4.50.3"]
+    assert sweep.last_releases(listed, 10) == ["4.49.0", "4.50.0", "4.50.3", "4.51.0"]
+    with pytest.raises(BisectError, match="--last"):
+        sweep.last_releases(listed, 0)
+    assert sweep.chosen_versions("1.13.0, 1.12.0,1.14.0") == ["1.12.0", "1.13.0", "1.14.0"]
+    with pytest.raises(BisectError, match="not a version"):
+        sweep.chosen_versions("1.13.0,latest")
+
+
+def _cell(cell_id, precision, engine, state, text=None):
+    return {
+        "model": cell_id.split("-")[0],
+        "precision": precision,
+        "mode": "eval",
+        "device": "cpu",
+        "engine": engine,
+        "state": state,
+        "signature_text": text,
+    }
+
+
+def _sweep_document():
+    """Three releases of a package that ran, one that did not install: the cell a-bf16 breaks in
+    the second and is fixed in the third, a-fp32 never changes."""
+
+    def cells(bf16_state):
+        return {
+            "a-fp32": _cell("a-fp32", "fp32", "torch", "passed"),
+            "a-bf16": _cell("a-bf16", "bf16-mixed", "torch", bf16_state, "evaluate: RuntimeError: boom @ x:y"),
+        }
+
+    return {
+        "package": "pkg",
+        "stack": "default",
+        "selection": ["--device", "cpu"],
+        "axis_order": {"precision": ["fp32", "bf16-mixed"], "engine": ["torch"]},
+        "wall_s": 12.0,
+        "environment_mb": 900,
+        "releases": [
+            {
+                "version": "1.0",
+                "status": "ran",
+                "seconds": 3,
+                "cells": cells("passed"),
+                "packages": {"torch": "2.13.0"},
+            },
+            {"version": "1.1", "status": "ran", "seconds": 3, "cells": cells("failed sig-1"), "packages": {}},
+            {"version": "1.2", "status": "does not install", "detail": "ERROR: No matching distribution", "seconds": 1},
+            {"version": "1.3", "status": "ran", "seconds": 3, "cells": cells("passed"), "packages": {}},
+        ],
+    }
+
+
+def test_the_table_names_the_first_release_of_each_change_and_lists_what_did_not_install():
+    document = _sweep_document()
+    assert sweep_table.releases_ran(document) == ["1.0", "1.1", "1.3"]
+    assert sweep_table.first_changes(document) == [
+        {"cell": "a-bf16", "first_release": "1.1", "last_before": "1.0", "from": "passed", "to": "failed sig-1"},
+        {"cell": "a-bf16", "first_release": "1.3", "last_before": "1.1", "from": "failed sig-1", "to": "passed"},
+    ]
+    rows = sweep_table.folded(document)
+    assert list(rows) == [("fp32", "torch"), ("bf16-mixed", "torch")]
+    assert rows[("bf16-mixed", "torch")]["1.1"] == {"failed sig-1": 1}
+    markdown = sweep_table.sweep_markdown(document)
+    assert "| 1.2 | does not install: ERROR: No matching distribution |" in markdown
+    assert "| bf16-mixed | torch | 1 ok | 1 sig-1 | 1 ok |" in markdown
+    assert "| 1.1 | 1.0 | passed | failed sig-1 | 1: `a-bf16` |" in markdown
+    assert "- `sig-1`: evaluate: RuntimeError: boom @ x:y" in markdown
+    page = sweep_table.sweep_html(document)
+    assert "<td class='bad'>1 sig-1</td>" in page and "does not install: ERROR: No matching distribution" in page
+
+
+def test_a_cells_state_is_its_raw_result():
+    assert sweep_table.cell_state({"outcome": "known", "signature": {"id": "sig-9"}}) == "failed sig-9"
+    assert sweep_table.cell_state({"outcome": "fixed", "signature": None}) == "passed"
+    assert sweep_table.cell_state({"outcome": "skipped", "signature": None}) == "skipped"
+
+
+@pytest.fixture
+def this_environment(tmp_path):
+    """The sweep's scratch environment, standing on the interpreter running the tests: a release
+    already installed installs as a no-op, so nothing here changes the environment."""
+    env = ScratchEnvironment(load_stacks()["default"], "torch")
+    env.python = Path(sys.executable)
+    env.path = tmp_path / "env"
+    return env
+
+
+def test_a_release_runs_its_selection_for_real_and_one_that_does_not_exist_is_listed(this_environment, tmp_path):
+    runs = tmp_path / "runs"
+    version = installed("safetensors")
+    selection = ["--model", "tiny-llama", "--precision", "fp32,bf16-mixed", "--mode", "eval", "--engine", "torch"]
+    selection += ["--device", "cpu"]
+    ran = sweep.run_release(this_environment, "safetensors", version, selection, runs)
+    assert ran.status == "ran", ran.detail
+    assert set(ran.cells) == {"tiny-llama-fp32-eval-cpu-torch", "tiny-llama-bf16-mixed-eval-cpu-torch"}
+    assert {c["state"] for c in ran.cells.values()} == {"passed"}
+    assert ran.packages["safetensors"] == version
+    assert (runs / version / "results.json").exists()
+    missing = sweep.run_release(this_environment, "safetensors", "0.0.0", selection, runs)
+    assert missing.status == "does not install" and missing.cells is None
+    assert "0.0.0" in missing.detail or "matching distribution" in missing.detail
+
+
+def test_the_sweep_command_refuses_bad_input_in_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "matrix", "sweep", "--package", "accelerate", "--versions", "1.0,latest"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == "python -m matrix sweep: --versions: not a version: Invalid version: 'latest'"
+
+
+def test_pruning_keeps_the_most_recently_used_environments(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "SCRATCH", tmp_path)
+    for age, name in enumerate(("newest", "middle", "oldest", "in-use")):
+        (tmp_path / name).mkdir()
+        stamp = tmp_path / name / ".bisect-stack"
+        stamp.write_text("x")
+        import os
+
+        os.utime(stamp, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
+    removed = sweep.prune_scratch(keep=2, in_use=tmp_path / "in-use", log=lambda line: None)
+    assert removed == ["oldest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in-use", "middle", "newest"]
+
+
+def _new(cell, signature, text="train_steps: E: m @ a:b"):
+    return {"cell": cell, "new": {"signature": signature, "signature_text": text, "phase": "train_steps"}}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_nightly_bisects_each_new_signature_over_each_changed_package_within_its_budget(tmp_path):
+    clock, calls = Clock(), []
+
+    def bisect_fn(package, good, bad, cell, stack, output, extra, log, deadline):
+        calls.append((package, good, bad, cell, stack))
+        clock.now += 100  # each bisection takes 100 s
+        if package == "peft":
+            raise BisectError(f"{good} and {bad} give the same result (passed): nothing to bisect")
+        return {
+            "first_changed": "4.51.0",
+            "last_before_change": "4.50.3",
+            "from_state": "passed",
+            "to_state": "failed sig-a",
+            "evidence": [{"version": "4.50.0"}, {"version": "4.51.0"}],
+        }
+
+    changes = [_new("x-bf16-mixed-train-cpu-torch", "sig-a"), _new("a-bf16-mixed-train-cpu-torch", "sig-a")]
+    changes.append(_new("b-fp32-eval-cpu-torch", "sig-b"))
+    records = release_bisect.bisect_new_failures(
+        changes,
+        {"transformers": ("4.50.0", "4.52.0"), "peft": ("0.15.0", "0.16.0")},
+        stack="default",
+        budget_s=250,
+        output=tmp_path,
+        bisect_fn=bisect_fn,
+        repro_fn=lambda cell, run, output: f"{output}/repro-{cell}.py",
+        clock=clock,
+        log=lambda line: None,
+    )
+    # sig-a (2 cells) first, its first cell in id order; packages in name order; the third
+    # bisection starts at 200 s and the fourth finds the budget spent
+    assert calls == [
+        ("peft", "0.15.0", "0.16.0", "a-bf16-mixed-train-cpu-torch", "default"),
+        ("transformers", "4.50.0", "4.52.0", "a-bf16-mixed-train-cpu-torch", "default"),
+        ("peft", "0.15.0", "0.16.0", "b-fp32-eval-cpu-torch", "default"),
+    ]
+    assert [r["status"] for r in records] == ["same at both ends", "found", "same at both ends", "not run"]
+    found = records[1]
+    assert (
+        found["cells"] == 2
+        and found["direction"] == "up"
+        and found["repro"].endswith("repro-a-bf16-mixed-train-cpu-torch.py")
+    )
+    assert compare.bisection_verdict(found).startswith(
+        "first bad: transformers 4.51.0 (last good: 4.50.3; passed -> failed sig-a); repro: "
+    )
+    assert compare.bisection_verdict(records[0]) == "not peft: 0.15.0 and 0.16.0 give the same result"
+    assert json.loads((tmp_path / "bisections.json").read_text()) == records
+
+
+def test_the_diff_report_says_which_release_broke_it():
+    old = _document("old", {"transformers": "4.50.0"}, "passed")
+    new = _document("new", {"transformers": "4.51.0"}, "failed")
+    result = compare.diff(old, new)
+    assert result.packages == {"transformers": ("4.50.0", "4.51.0")} and len(result.changes["new"]) == 1
+    result.bisections = [
+        {
+            "signature": "sig-a",
+            "cell": "x",
+            "cells": 1,
+            "package": "transformers",
+            "old": "4.50.0",
+            "new": "4.51.0",
+            "direction": "up",
+            "status": "found",
+            "first_changed": "4.51.0",
+            "last_before": "4.50.0",
+            "from_state": "passed",
+            "to_state": "failed sig-a",
+            "repro": "reports/diff-bisect-new/repro-x.py",
+        }
+    ]
+    markdown = compare.diff_markdown(result)
+    assert "## Which release broke it" in markdown
+    assert "first bad: transformers 4.51.0 (last good: 4.50.0; passed -> failed sig-a); repro: reports/" in markdown
+    assert result.as_dict()["bisections"] == result.bisections
+
+
+def _document(run_id, packages, outcome):
+    cell = {
+        "id": "x",
+        "model": "x",
+        "precision": "fp32",
+        "mode": "eval",
+        "device": "cpu",
+        "engine": "torch",
+        "outcome": outcome,
+        "phase": "evaluate" if outcome == "failed" else None,
+        "signature": {"id": "sig-a", "text": "evaluate: E: m @ a:b"} if outcome == "failed" else None,
+        "known_failure": None,
+        "metrics": {},
+    }
+    return {"run": {"id": run_id}, "environment": {"packages": packages}, "cells": [cell]}
