@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     releases.add_argument("--last", type=int, help="the N newest releases pip's index lists")
     releases.add_argument("--versions", help="these releases, comma-separated")
     sweep.add_argument("--newest", help="with --last: the newest release to include (default: the newest listed)")
+    sweep.add_argument(
+        "--per",
+        choices=("release", "minor"),
+        default="release",
+        help="with --last: count releases, or minor lines (the newest patch of each)",
+    )
     sweep.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to sweep on")
     sweep.add_argument("--report-dir", default=None, help="default: reports/ here")
     published = commands.add_parser(
@@ -188,6 +194,7 @@ def sweep_releases(args, selection: list[str]) -> int:
             versions=versions,
             last=args.last,
             newest=args.newest,
+            per=args.per,
             stack_name=args.stack,
             selection=selection,
             reports_root=reports_root(args.report_dir),
@@ -219,6 +226,7 @@ def publish_releases(args) -> int:
                     versions=chosen_versions(",".join(entry["versions"])) if "versions" in entry else None,
                     last=entry.get("last"),
                     newest=None,
+                    per=entry.get("per", "release"),
                     stack_name="default",
                     selection=selection,
                     reports_root=reports_root(args.report_dir),

@@ -47,21 +47,27 @@ class Trial:
     seconds: float
 
 
+def final_releases(listed: list[str], with_local: bool = True) -> list[Version]:
+    """The versions of an index listing that parse, pre- and dev releases left out (and local
+    ones, 2.13.0+cpu, unless `with_local`), unique, in version order."""
+    parsed = set()
+    for text in listed:
+        try:
+            version = Version(text)
+        except InvalidVersion:
+            continue
+        if not version.is_prerelease and not version.is_devrelease and (with_local or not version.local):
+            parsed.add(version)
+    return sorted(parsed)
+
+
 def versions_between(listed: list[str], first: str, second: str) -> list[str]:
     """The releases from the older to the newer of the two, inclusive, in version order."""
     try:
         low, high = sorted((Version(first), Version(second)))
     except InvalidVersion as error:
         raise BisectError(f"not a version: {error}") from None
-    parsed = []
-    for text in listed:
-        try:
-            version = Version(text)
-        except InvalidVersion:
-            continue
-        if not version.is_prerelease and not version.is_devrelease and low <= version <= high:
-            parsed.append(version)
-    chosen = [str(v) for v in sorted(set(parsed))]
+    chosen = [str(v) for v in final_releases(listed) if low <= v <= high]
     for end in (str(low), str(high)):
         if end not in chosen:
             raise BisectError(f"{end} is not a released version the index lists")
@@ -133,6 +139,31 @@ class ScratchEnvironment:
                 if done.returncode:
                     raise BisectError(f"could not install {' '.join(args)}: {done.stderr.strip().splitlines()[-1:]}")
         stamp.write_text(key)
+        self.baseline_file.unlink(missing_ok=True)
+        self.baseline()
+
+    @property
+    def baseline_file(self) -> Path:
+        return self.path / ".bisect-baseline"
+
+    def baseline(self) -> dict[str, str]:
+        """The versions the environment was built with (name -> version, lower-case names),
+        recorded once after it is built: what a bisection or sweep puts a package back to."""
+        if not self.baseline_file.exists():
+            done = self.pip("list", "--format=json")
+            versions = {p["name"].lower(): p["version"] for p in json.loads(done.stdout or "[]")}
+            self.baseline_file.write_text(json.dumps(versions, indent=1, sort_keys=True) + "\n")
+        return json.loads(self.baseline_file.read_text())
+
+    def restore(self, package: str, log=print) -> None:
+        """Put `package` back to the baseline's version after candidates were installed."""
+        version = self.baseline().get(package.lower())
+        if version is None:
+            return
+        done = self.pip("install", "-q", f"{package}=={version}")
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+            log(f"could not put {package} back to {version}: {last}")
 
     def released_versions(self, package: str) -> list[str]:
         done = self.pip("index", "versions", package)
@@ -218,7 +249,10 @@ def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, 
             raise BisectError(f"{package}=={version}: {trials[version].state}")
         return trials[version].state
 
-    changed, before, after = first_change(versions, state_of)
+    try:
+        changed, before, after = first_change(versions, state_of)
+    finally:
+        env.restore(package, log)
     result = {
         "package": package,
         "cell": cell,

@@ -8,7 +8,8 @@ project and the stack's pins, built once, reused and locked against a second use
 import with the rest of the stack, and the selection runs in a fresh `python -m matrix run`
 process. A release that pip cannot install, or that installs but does not import, is listed with
 pip's or Python's own last line instead of cells. After the sweep the package goes back to the
-version the environment had, so the next sweep or bisection starts from the stack itself.
+version the environment was built with (its baseline), so the next sweep or bisection starts
+from the stack itself.
 
 It writes reports/sweep-<package>-<time>/: each release's run under runs/<version>/, and
 sweep.json (the data), sweep.md and sweep.html (matrix/results/sweep_table.py: release x
@@ -30,7 +31,14 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from matrix import stacks as version_stacks
-from matrix.bisect import DEFAULT_TORCH, SCRATCH, BisectError, ScratchEnvironment, parse_index_listing
+from matrix.bisect import (
+    DEFAULT_TORCH,
+    SCRATCH,
+    BisectError,
+    ScratchEnvironment,
+    final_releases,
+    parse_index_listing,
+)
 from matrix.results.sweep_table import RAN, brief_cell, sweep_html, sweep_markdown
 
 # What a release must import beside: the stack the matrix runs on.
@@ -42,21 +50,17 @@ class SweepError(BisectError):
     """Bad input: one line for the user, exit status 2."""
 
 
-def last_releases(listed: list[str], count: int, newest: str | None = None) -> list[str]:
-    """The `count` newest final releases (at most `newest`), oldest first."""
+def last_releases(listed: list[str], count: int, newest: str | None = None, per: str = "release") -> list[str]:
+    """The `count` newest final releases (at most `newest`), oldest first; with per="minor",
+    the newest patch of each of the `count` newest minor lines (4.50.3, 4.51.3, ...)."""
+    if per not in ("release", "minor"):
+        raise SweepError(f"--per: {per!r}; choose release or minor")
     if count < 1:
         raise SweepError("--last: give a number of releases, 1 or more")
-    parsed = []
-    for text in listed:
-        try:
-            version = Version(text)
-        except InvalidVersion:
-            continue
-        if version.is_prerelease or version.is_devrelease or version.local:
-            continue
-        if newest is None or version <= Version(newest):
-            parsed.append(version)
-    return [str(v) for v in sorted(set(parsed))[-count:]]
+    ordered = [v for v in final_releases(listed, with_local=False) if newest is None or v <= Version(newest)]
+    if per == "minor":
+        ordered = list({(v.major, v.minor): v for v in ordered}.values())  # the last of each line wins
+    return [str(v) for v in ordered[-count:]]
 
 
 def chosen_versions(text: str) -> list[str]:
@@ -70,14 +74,6 @@ def chosen_versions(text: str) -> list[str]:
 def _last_line(text: str, fallback: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip() and not line.startswith("WARNING")]
     return lines[-1] if lines else fallback
-
-
-def _installed_version(env: ScratchEnvironment, package: str) -> str | None:
-    done = env.pip("show", package)
-    for line in done.stdout.splitlines():
-        if line.startswith("Version:"):
-            return line.split(":", 1)[1].strip()
-    return None
 
 
 def _size_mb(path: Path) -> int:
@@ -167,6 +163,7 @@ def sweep(
     last: int | None,
     newest: str | None,
     stack_name: str,
+    per: str = "release",
     selection: list[str],
     reports_root: Path,
     log=print,
@@ -188,8 +185,7 @@ def sweep(
             done = env.pip("index", "versions", package)
             if done.returncode:
                 raise SweepError(f"pip's index has no package {package!r}")
-            versions = last_releases(parse_index_listing(done.stdout), last, newest)
-        original = _installed_version(env, package)
+            versions = last_releases(parse_index_listing(done.stdout), last, newest, per)
         directory = reports_root / f"sweep-{package}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
         runs = directory / "runs"
         runs.mkdir(parents=True)
@@ -205,10 +201,7 @@ def sweep(
                 log(f"  {package}=={version}: {result.status} {result.detail or counts} ({result.seconds:.0f} s)")
                 results.append(result)
         finally:
-            if original:
-                back = env.pip("install", "-q", f"{package}=={original}")
-                if back.returncode:
-                    log(f"could not put {package} back to {original}: {_last_line(back.stderr, 'pip failed')}")
+            env.restore(package, log)
         size = _size_mb(env.path)
     document = {
         "kind": "release-sweep",
@@ -248,8 +241,18 @@ def published_sweeps(path: Path = RELEASES_FILE) -> tuple[list[str], list[dict]]
     data = tomllib.loads(path.read_text())
     sweeps = data.get("sweep", [])
     for entry in sweeps:
-        if "package" not in entry or ("last" in entry) == ("versions" in entry):
-            raise SweepError(f"{path}: each [[sweep]] names a package and either last or versions: {entry}")
+        if (
+            "package" not in entry
+            or ("last" in entry) == ("versions" in entry)
+            or entry.get("per", "release")
+            not in (
+                "release",
+                "minor",
+            )
+        ):
+            raise SweepError(
+                f"{path}: each [[sweep]] names a package and either last or versions (per: release or minor): {entry}"
+            )
     return list(data.get("selection", [])), sweeps
 
 

@@ -91,12 +91,19 @@ def folded(document: dict) -> dict[tuple[str, str], dict[str, Counter]]:
 
 
 def signature_texts(document: dict) -> dict[str, str]:
-    texts = {}
+    """signature id -> its text, with the catalogue entries that explained it where any did."""
+    texts, known = {}, {}
     for release in document["releases"]:
         for cell in (release.get("cells") or {}).values():
             if cell["state"].startswith("failed ") and cell.get("signature_text"):
-                texts.setdefault(cell["state"].split(" ", 1)[1], cell["signature_text"])
-    return texts
+                signature = cell["state"].split(" ", 1)[1]
+                texts.setdefault(signature, cell["signature_text"])
+                if cell.get("known_failure"):
+                    known.setdefault(signature, set()).add(cell["known_failure"])
+    return {
+        signature: (f"(known: {', '.join(sorted(known[signature]))}) " if signature in known else "") + text
+        for signature, text in texts.items()
+    }
 
 
 def _entry(counter: Counter | None) -> str:
