@@ -133,10 +133,6 @@ def storage_expectations(model, weights: dict, quantization: Quantization, weigh
     return {n: (quantization.storage_dtype, why) if n in quantized else (rest, why_rest) for n in weights}
 
 
-class QuantizedStorageMismatch(AssertionError):
-    pass
-
-
 def check_storage(model, quantization: Quantization, when: str) -> dict:
     """Every linear layer but the output projection (which transformers keeps unquantized) is a
     bitsandbytes layer of the declared scheme: its weight in the storage dtype, its quant

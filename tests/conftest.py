@@ -55,6 +55,18 @@ def run_pytest(tmp_path):
     return run
 
 
+@pytest.fixture(scope="session")
+def matrix_cpu():
+    """matrix_cpu(report_dir, *args): `python -m matrix run cases --device cpu` with the given
+    selection; the process and its cells by id."""
+
+    def run(report_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+        done, document = run_matrix_cpu(report_dir, *args, run_id="run")
+        return done, {c["id"]: c for c in document["cells"]}
+
+    return run
+
+
 @pytest.fixture
 def registered():
     """registered(registry, item): the item is registered for this test only."""
@@ -76,19 +88,21 @@ def registered():
 USERS_GRID_RUN_LIMIT_S = 1200
 
 
-def _run_users_grid(plugin: str, model: str, report_dir: Path) -> tuple[subprocess.CompletedProcess, dict]:
+def run_matrix_cpu(report_dir: Path, *args: str, run_id: str = "users") -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m matrix run cases --device cpu ARGS` with tests/plugins importable, its run written
+    to report_dir/run_id: the process and its results.json."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), str(ROOT)])
-    command = [sys.executable, "-m", "matrix", "run", "cases", "-p", plugin, "--model", model, "--device", "cpu"]
+    command = [sys.executable, "-m", "matrix", "run", "cases", "--device", "cpu", *args]
     done = subprocess.run(
-        [*command, "--report-dir", str(report_dir), "--run-id", "users"],
+        [*command, "--report-dir", str(report_dir), "--run-id", run_id],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=USERS_GRID_RUN_LIMIT_S,
     )
-    results = report_dir / "users" / "results.json"
+    results = report_dir / run_id / "results.json"
     assert results.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return done, json.loads(results.read_text())
 
@@ -113,7 +127,7 @@ def users_grid():
     their capability; its cells by id."""
 
     def run(plugin: str, model: str, report_dir: Path) -> dict:
-        done, document = _run_users_grid(plugin, model, report_dir)
+        done, document = run_matrix_cpu(report_dir, "-p", plugin, "--model", model)
         return _check_no_harness_failure(done, document, report_dir)
 
     return run

@@ -4,9 +4,6 @@ layers, the checks' own hands off the model they check, and the quantized cells 
 engines (the CI slice), for our kinds and for a user's QLoRA written the usual way
 (tests/plugins/user_qlora.py)."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -93,7 +90,7 @@ def test_a_kind_that_trains_its_own_weights_skips_a_quantized_base_and_says_why(
         reason = skip_reason(Cell(model, "nf4-bf16-mixed", "train", "cpu", "torch"), 0)
         assert reason == (
             f"Requires: [adapters to train over a quantized base] ({model} trains its own weights; "
-            "a nf4 weight takes no gradient)"
+            "nf4 weights take no gradient)"
         )
     assert MODELS["lora"].quantizable and MODELS["qlora"].quantizable
 
@@ -183,30 +180,11 @@ def test_fp32_compute_multiplies_the_same_quantized_weights_in_fp32_and_restores
     assert {m.compute_dtype for m in layers} == {torch.float16}
 
 
-def _run(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    env_path = {"PYTHONPATH": f"{PLUGINS}:{ROOT}"}
-    import os
-
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, **env_path}
-    command = [sys.executable, "-m", "matrix", "run", "cases", "--device", "cpu", *args]
-    done = subprocess.run(
-        [*command, "--report-dir", str(tmp_path), "--run-id", "q"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    results = tmp_path / "q" / "results.json"
-    assert results.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    return done, {c["id"]: c for c in json.loads(results.read_text())["cells"]}
-
-
 @pytest.fixture(scope="module")
-def slice_run(tmp_path_factory):
+def slice_run(tmp_path_factory, matrix_cpu):
     """The CI slice of the quantized cells: lora and qlora, each quantized precision, through the
     torch loop and the Trainer."""
-    return _run(
+    return matrix_cpu(
         tmp_path_factory.mktemp("quantized"),
         "--model",
         "lora,qlora",
@@ -254,8 +232,8 @@ def test_each_quantized_cell_records_both_deviations_within_their_rows(slice_run
 
 
 @needs_bitsandbytes
-def test_a_users_qlora_runs_the_quantized_precisions_with_no_failure_of_the_harness(tmp_path):
-    done, cells = _run(
+def test_a_users_qlora_runs_the_quantized_precisions_with_no_failure_of_the_harness(tmp_path, matrix_cpu):
+    done, cells = matrix_cpu(
         tmp_path,
         "-p",
         "user_qlora",

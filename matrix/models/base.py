@@ -142,7 +142,7 @@ class ModelKind(abc.ABC):
         if not self.quantizable:
             return (
                 f"Requires: [adapters to train over a quantized base] ({self.name} trains its own weights; "
-                f"a {precision.quantization.scheme} weight takes no gradient)"
+                f"{precision.quantization.scheme} weights take no gradient)"
             )
         from matrix.quantization import skip_reason
 
