@@ -130,6 +130,17 @@ ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu", "--engine", "torch,h
 
 
 @nox.session
+def deepspeed(session: nox.Session) -> None:
+    """The DeepSpeed engines (issue 29): tests/test_deepspeed.py on the `deepspeed` stack, whose
+    cells are tiny-llama and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, and a
+    stack that loses the optimizer's state on every stage. deepspeed is an extra (24 MB; its CPU
+    cells take 1-2 s each on two ranks): the whole DeepSpeed CPU grid is
+    nox -s "stack(name='deepspeed')"; an older release: nox -s "stack(name='deepspeed-0.18')"."""
+    install_stack(session, "test", "deepspeed", stack="deepspeed")
+    session.run("python", "-m", "pytest", "tests/test_deepspeed.py", *session.posargs)
+
+
+@nox.session
 def architectures(session: nox.Session) -> None:
     """Every causal-LM architecture of the installed transformers (hf:<model_type>, built tiny
     from its config's defaults) through every precision, train and eval, on the torch engine and

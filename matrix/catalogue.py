@@ -33,6 +33,7 @@ from matrix.selection import Cell, axis_values, model_traits, trait_names
 CATALOGUE_FILE = Path(__file__).with_name("known_failures.toml")
 KINDS = ("bug", "intended")
 TRAIT_KEY = "trait"  # a selector key beside the axes: {trait = ["full-weights"]} (models/base.py TRAITS)
+EXCEPT_PREFIX = "not_"  # {not_engine = ["deepspeed-zero1"]}: any value of the axis but those
 
 
 class CatalogueError(ValueError):
@@ -64,7 +65,13 @@ class Entry:
         only where the axes match, since observing builds the model)."""
         axes = cell.axes()
         for selector in self.selectors:
-            if not all(axes[axis] in values for axis, values in selector.items() if axis != TRAIT_KEY):
+            named = {axis: values for axis, values in selector.items() if axis != TRAIT_KEY}
+            if not all(
+                axes[axis.removeprefix(EXCEPT_PREFIX)] not in values
+                if axis.startswith(EXCEPT_PREFIX)
+                else axes[axis] in values
+                for axis, values in named.items()
+            ):
                 continue
             wanted = selector.get(TRAIT_KEY)
             if wanted is None:
@@ -150,12 +157,16 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
         for s_index, selector in enumerate(raw["cells"]):
             parsed = {}
             for axis, values in selector.items():
-                if axis not in axes:
+                excluded = axis.removeprefix(EXCEPT_PREFIX)  # not_engine = [...]: any engine but those
+                if axis not in axes and not (
+                    axis.startswith(EXCEPT_PREFIX) and excluded in axes and excluded != TRAIT_KEY
+                ):
                     raise _fail(path, where, f"cells[{s_index}] names unknown axis {axis!r}")
                 values = [values] if isinstance(values, str) else values
                 if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
                     raise _fail(path, where, f"cells[{s_index}].{axis} must be a list of strings")
-                unknown = [v for v in values if v not in axes[axis] and not (axis == "model" and MODELS.claims(v))]
+                known = axes[excluded]
+                unknown = [v for v in values if v not in known and not (excluded == "model" and MODELS.claims(v))]
                 if unknown:
                     raise _fail(path, where, f"cells[{s_index}].{axis} has unknown value {unknown[0]!r}")
                 parsed[axis] = frozenset(values)

@@ -47,6 +47,10 @@ class CheckpointMismatch(CheckFailure):
     pass
 
 
+class ResumeDiverged(CheckFailure):
+    """The step resumed from a checkpoint is not the step the uninterrupted run takes."""
+
+
 class EngineDisagreement(CheckFailure):
     pass
 
@@ -257,8 +261,9 @@ def optimizer_state(optimizer) -> dict[str, torch.Tensor]:
 
 def check_optimizer_state_restored(saved: dict[str, torch.Tensor], optimizer) -> None:
     """Every tensor of the optimizer's state before the save is back after the reload, bit for
-    bit: a resumed run whose Adam moments are lost (or stale) trains differently, silently."""
-    restored = optimizer_state(optimizer)
+    bit: a resumed run whose Adam moments are lost (or stale) trains differently, silently.
+    `optimizer`: the reloaded optimizer, or its optimizer_state() taken right after the reload."""
+    restored = optimizer if isinstance(optimizer, dict) else optimizer_state(optimizer)
     missing = [name for name in saved if name not in restored]
     if missing:
         raise CheckpointMismatch(

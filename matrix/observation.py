@@ -72,6 +72,11 @@ class Observation:
     # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
     # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
     unsaved_float_buffers: tuple[str, ...] = ()
+    # state-dict entries the kind's save writes under no name of their own (transformers 5 writes
+    # MoE experts per expert and renames modules, as the Hub checkpoint has them; tied weights
+    # count as written): what a loader other than from_pretrained (the Trainer's resume, a plain
+    # load_state_dict) does not find
+    saved_in_another_layout: tuple[str, ...] = ()
     # a model cast to half and saved comes back through the library's loader (from_pretrained),
     # not the way it was obtained (ModelKind.loaded_in_dtype): what recomputes those buffers
     reloaded_by_library: bool = False
@@ -114,6 +119,8 @@ class Observation:
             found.add("unmapped-loss-type")
         if self.unsaved_float_buffers and self.reloaded_by_library:
             found.add("unsaved-float-buffers")
+        if self.saved_in_another_layout:
+            found.add("saved-in-another-layout")
         return frozenset(found)
 
     def count(self, batch: dict) -> int:
@@ -135,6 +142,7 @@ class Observation:
             "embeddings_in_no_split_module": self.embeddings_in_no_split_module,
             "unmapped_loss_type": self.unmapped_loss_type,
             "unsaved_float_buffers": list(self.unsaved_float_buffers),
+            "saved_in_another_layout": list(self.saved_in_another_layout),
             "reloaded_by_library": self.reloaded_by_library,
             "gradless_parameters": list(self.gradless_parameters),
             "frozen_parameters": len(self.frozen_parameters),
@@ -243,6 +251,29 @@ def _loaded_otherwise(kind, workdir: Path, buffers: tuple[str, ...]) -> tuple[st
     return tuple(name for name in buffers if dtypes.get(name, torch.bfloat16) != torch.bfloat16)
 
 
+def _saved_in_another_layout(kind, model: nn.Module, workdir: Path) -> tuple[str, ...]:
+    """The state-dict entries of `model` that the kind's save() writes to no safetensors key of the
+    same name (a tied weight counts as written when its twin is). Only a whole model's files
+    (model*.safetensors) are read: an adapter save (peft) writes its own names on purpose."""
+    from safetensors import safe_open
+
+    directory = workdir / "layout-probe"
+    kind.save(model, directory)
+    saved: set[str] = set()
+    for path in directory.glob("model*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            saved |= set(handle.keys())
+    if not saved:
+        return ()
+    state = model.state_dict()
+    storage: dict[int, set[str]] = {}
+    for name, tensor in state.items():
+        storage.setdefault(tensor.untyped_storage().data_ptr(), set()).add(name)
+    return tuple(
+        sorted(n for n, t in state.items() if n not in saved and not storage[t.untyped_storage().data_ptr()] & saved)
+    )
+
+
 def _reloaded_by_library(kind) -> bool:
     """Whether a half model obtained by a cast comes back from its checkpoint through the
     library's loader rather than the way it was obtained."""
@@ -336,6 +367,7 @@ def _observe(kind) -> Observation:
                 embeddings_in_no_split_module=_no_split_module_around_embeddings(model),
                 unmapped_loss_type=_unmapped_loss_type(model),
                 unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
+                saved_in_another_layout=_saved_in_another_layout(kind, model, workdir),
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
                 frozen_parameters=frozen,

@@ -26,6 +26,7 @@ PACKAGES: tuple[Package, ...] = (
     Package("triton", ("triton",), pinned_in_repro=True),  # with liger-kernel: seed 002's stacks only
     Package("liger-kernel", ("liger_kernel",), pinned_in_repro=True),
     Package("bitsandbytes", ("bitsandbytes",), stack=True, pinned_in_repro=True),  # the quantized precisions
+    Package("deepspeed", ("deepspeed",), stack=True, pinned_in_repro=True),  # the deepspeed-zero* engines
     Package("numpy"),
     Package("pytest"),
     Package("pytest-xdist"),

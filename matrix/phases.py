@@ -587,14 +587,6 @@ def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> 
     checks.check_engine_agreement(key.replace("_", " "), loss, reference, tolerance)
 
 
-def resume_one_step(state: CellState, step) -> None:
-    """One more applied optimizer step on the reloaded model and optimizer; it must move the weights."""
-    state.model.train()
-    before = snapshot_trainable(state.model, state.kind)
-    state.metrics.resumed_losses = train_until_applied(state, step, 1)
-    checks.check_parameters_changed(before, state.model)
-
-
 def check_resumed_one_step(state: CellState, losses: list[float], checkpoint_model, resumed_model) -> None:
     """A library resumed from the step-3 checkpoint: exactly one step ran, and it moved the
     weights away from the checkpoint's."""

@@ -163,6 +163,7 @@ def skip_reason(cell: Cell, index: int) -> str | None:
         engine.unsupported_reason(precision)
         or DEVICES[cell.device].skip_reason(precision, index)
         or engine.device_skip_reason(DEVICES[cell.device])
+        or engine.precision_device_skip_reason(precision, DEVICES[cell.device])
         or MODELS[cell.model].skip_reason(cell.device)
         or MODELS[cell.model].precision_skip_reason(precision)
         or engine.kind_skip_reason(MODELS[cell.model])

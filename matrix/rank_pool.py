@@ -60,6 +60,7 @@ class RankFailure(RankError):
         self.details = error.get("details")
         self.remote_signature = Signature("", error["type"], normalize_message(error["message"]), error["origin"])
         self.remote_traceback = error.get("traceback", "")
+        self.payload = error.get("payload")  # what the rank had measured when it raised
         if error.get("phase"):
             self.matrix_phase = error["phase"]
 

@@ -40,6 +40,8 @@ def describe(exc: BaseException) -> dict:
         "origin": origin_of(exc),
         "traceback": "".join(traceback.format_exception(exc)),
         "phase": getattr(exc, "matrix_phase", None),
+        # what the rank had measured when it raised (a phase's metrics), sent back with the error
+        "payload": getattr(exc, "matrix_payload", None),
     }
 
 

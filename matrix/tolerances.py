@@ -61,6 +61,32 @@ QUANTIZED_VS_UNQUANTIZED: dict[str, Tolerance] = {
 CHECKPOINT_ROUND_TRIP = Tolerance(atol=0.0, rtol=0.0)
 
 
+# A resumed step k+1 against the uninterrupted run's (matrix/resume.py). Where the device steps
+# deterministically (the CPU: Device.deterministic_steps) both compare bit for bit and these rows
+# are not used. On a device whose kernels are not deterministic (CUDA: atomic adds in backward),
+# the same weights give losses within `loss` of each other, and one AdamW step from the same
+# state moves every tensor to within `tensors` of the other's: a gradient differing in its last
+# bits moves an update by about that share of the learning rate, and a half-precision weight may
+# round one ulp apart (bf16 2**-8, fp16 2**-11 relative). A lost optimizer state moves an update
+# by the whole learning rate, and it is caught exactly anyway (resume.check_restored). Not yet
+# measured on a GPU: no GPU was lent when these rows were written.
+@dataclass(frozen=True)
+class ResumeTolerance:
+    loss: Tolerance
+    tensors: Tolerance
+
+
+RESUME_VS_UNINTERRUPTED: dict[torch.dtype, ResumeTolerance] = {
+    torch.float32: ResumeTolerance(loss=Tolerance(atol=1e-6, rtol=1e-6), tensors=Tolerance(atol=1e-6, rtol=1e-5)),
+    torch.float16: ResumeTolerance(loss=Tolerance(atol=1e-3, rtol=1e-3), tensors=Tolerance(atol=1e-4, rtol=2e-3)),
+    torch.bfloat16: ResumeTolerance(loss=Tolerance(atol=1e-2, rtol=1e-2), tensors=Tolerance(atol=1e-4, rtol=1e-2)),
+}
+
+
+def resume_tolerance(compute_dtype: torch.dtype) -> ResumeTolerance:
+    return RESUME_VS_UNINTERRUPTED[compute_dtype]
+
+
 def relative_fall(before: float, after: float) -> float:
     """(before - after) / before: how far a loss fell, as a fraction of where it started."""
     return (before - after) / before if before else 0.0

@@ -49,6 +49,27 @@ def test_selectors_match_axes_and_leave_out_axes_open(cell, selected):
     assert entry.selects(cell) is selected
 
 
+EXCEPT_ENTRY = ENTRY.replace('device = ["cpu"] }', 'not_engine = ["deepspeed-zero1", "deepspeed-zero2"] }')
+
+
+@pytest.mark.parametrize(
+    ("engine", "selected"),
+    [("torch", True), ("deepspeed-zero0", True), ("deepspeed-zero1", False), ("deepspeed-zero2", False)],
+)
+def test_a_not_selector_matches_every_value_of_its_axis_but_those_it_names(engine, selected):
+    (entry,) = catalogue.parse(EXCEPT_ENTRY).entries
+    assert entry.selects(Cell("tiny-transformer", "bf16-mixed", "eval", "cuda", engine)) is selected
+
+
+def test_a_not_selector_names_a_real_axis_and_real_values(tmp_path):
+    with pytest.raises(catalogue.CatalogueError, match=r"names unknown axis 'not_gpu'"):
+        catalogue.parse(ENTRY.replace('device = ["cpu"]', 'not_gpu = ["a100"]'))
+    with pytest.raises(catalogue.CatalogueError, match=r"cells\[0\]\.not_engine has unknown value 'deepspeed'"):
+        catalogue.parse(ENTRY.replace('device = ["cpu"]', 'not_engine = ["deepspeed"]'))
+    with pytest.raises(catalogue.CatalogueError, match=r"names unknown axis 'not_trait'"):
+        catalogue.parse(ENTRY.replace('device = ["cpu"]', 'not_trait = ["adapters"]'))
+
+
 @pytest.mark.parametrize(
     ("installed", "holds"),
     [

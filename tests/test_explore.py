@@ -187,10 +187,11 @@ def test_explorations_are_collected_only_with_explore(run_pytest):
         "--collect-only", "-q", "--no-report", "--explore", "--model", "tiny-transformer", "--device", "cpu"
     )
     targets = [line for line in asked.stdout.splitlines() if "test_explore[" in line]
-    # every precision but the fp32 reference and the self-contradictory one, 2 modes, 7 engines
+    # every precision but the fp32 reference and the self-contradictory one, 2 modes, every engine
+    from matrix.engines import ENGINES
     from matrix.precisions import PRECISIONS
 
-    assert len(targets) == (len(PRECISIONS) - 2) * 2 * 7
+    assert len(targets) == (len(PRECISIONS) - 2) * 2 * len(ENGINES)
     assert not any("-fp32-" in t or "fp32-grads" in t for t in targets)
 
 

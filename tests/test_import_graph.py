@@ -17,7 +17,18 @@ RESULTS_LAYER = (
     "matrix.packages",
     "matrix.recording",
 )
-STACK = {"torch", "transformers", "peft", "accelerate", "lightning", "safetensors", "triton", "numpy", "bitsandbytes"}
+STACK = {
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "lightning",
+    "safetensors",
+    "triton",
+    "numpy",
+    "bitsandbytes",
+    "deepspeed",
+}
 
 
 def test_the_package_has_no_import_circles():

@@ -43,7 +43,11 @@ def test_every_precision_the_issue_names_exists():
     } <= set(AXES["precision"])
     assert set(AXES["model"]) >= {"tiny-transformer", "tiny-llama", "lora", "gemma-cache"}
     assert AXES["mode"] == ("train", "eval") and AXES["device"] == ("cpu", "cuda")
-    assert AXES["engine"] == ("torch", "accelerate", "hf-trainer", "lightning", "ddp", "fsdp2", "accelerate-fsdp2")
+    assert AXES["engine"] == (
+        *("torch", "accelerate", "hf-trainer", "lightning", "ddp", "fsdp2", "accelerate-fsdp2"),
+        *("deepspeed-zero0", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"),
+        *("hf-trainer-zero2", "hf-trainer-zero3"),
+    )
 
 
 def test_cell_ids_read_like_the_cell_and_are_unique():

@@ -30,6 +30,10 @@ class Device(abc.ABC):
     # Errors after which the process's context on this device is unusable: every later call in
     # the same process fails the same way, so the rest of the run needs a fresh process.
     poisoning_errors: tuple[str, ...] = ()
+    # Whether the same step from the same state gives the same bits twice in a process: a resumed
+    # step must then equal the uninterrupted one bit for bit (matrix/resume.py), else within a
+    # tolerance row. CUDA's backward kernels use atomic adds: not deterministic.
+    deterministic_steps: bool = True
 
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(f"{self.name}:{index}") if self.indexed else torch.device(self.name)

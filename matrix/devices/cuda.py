@@ -121,6 +121,7 @@ class CUDA(Device):
         "an illegal memory access was encountered",
         "unspecified launch failure",
     )
+    deterministic_steps = False  # backward kernels with atomic adds (index_add, embedding's backward)
 
     def count(self) -> int:
         return len(cuda_devices())

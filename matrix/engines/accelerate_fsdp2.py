@@ -22,9 +22,7 @@ users run on GPUs. On CUDA accelerate selects FSDP itself.
 
 from __future__ import annotations
 
-import os
-
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.accelerate_loop import reset_accelerate
 from matrix.engines.base import Unsupported, one_switch_unsupported, register
 from matrix.engines.distributed import (
@@ -35,6 +33,7 @@ from matrix.engines.distributed import (
     global_mean,
     loss_weight,
     resume_one_sharded_step,
+    set_launcher_environment,
     shard_rows,
     sharded_dropout_off_loss,
     sharded_evaluate,
@@ -56,7 +55,6 @@ from matrix.results.metrics import UNSET
 from matrix.tolerances import CHECKPOINT_ROUND_TRIP
 
 MIXED_PRECISION = {None: "no", "float16": "fp16", "bfloat16": "bf16"}
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "ACCELERATE_USE_FSDP")
 STATE_DIR = "accelerate-state"
 
 
@@ -79,20 +77,11 @@ def _plugin(state: CellState, model):
 
 def _accelerator(state: CellState, context, model):
     """A new Accelerator on FSDP2 for this rank (accelerate's state is process-wide)."""
-    import torch
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    state.engine_state.setdefault("environ", {key: os.environ.get(key) for key in ENV_KEYS})
-    # what torchrun sets, which accelerate reads; one intra-op thread per rank, as the group runs
-    os.environ.update(
-        RANK=str(context.rank),
-        WORLD_SIZE=str(context.world_size),
-        LOCAL_RANK=str(context.rank),
-        LOCAL_WORLD_SIZE=str(context.world_size),
-        OMP_NUM_THREADS=str(torch.get_num_threads()),
-    )
+    set_launcher_environment(state, context, also_restored=("ACCELERATE_USE_FSDP",))
     state.device_kind.activate(state.device)
     settings = state.metrics.engine_settings
     plugin = _plugin(state, model)
@@ -154,8 +143,8 @@ def check_declared_dtypes(state: CellState, model, dtypes_before: dict, when: st
     checks.check_dtypes(trained, torch.float32, f"{when}, the trained parameters (fp32 master weights under FSDP2)")
 
 
-def _step(state: CellState, context, model, optimizer) -> tuple[float, bool]:
-    accelerator = state.engine_state["accelerator"]
+def _step(state: CellState, context, model, optimizer, accelerator=None) -> tuple[float, bool]:
+    accelerator = accelerator or state.engine_state["accelerator"]
     shard = shard_rows(state.batch, context.rank, context.world_size)
     optimizer.zero_grad(set_to_none=True)
     loss = state.kind.loss(model, shard)  # autocast comes from the prepared forward
@@ -211,7 +200,7 @@ def rank_checkpoint_save(state: CellState, context) -> None:
     accelerator = state.engine_state["accelerator"]
     shared = state.engine_state["shared_dir"]
     state.engine_state["sharded_outputs_before_save"] = _evaluate(state, context, state.model).logits
-    state.engine_state["optimizer_state_before_save"] = checks.optimizer_state(state.optimizer)
+    resume.remember_point(state, state.optimizer, resume.scaler_state(accelerator.scaler))
     accelerator.save_state(str(shared / STATE_DIR))
     # the full checkpoint: accelerate gathers it to rank 0, which saves it in the kind's format.
     # Read back in the cell's precision it must give the trained weights read in that precision
@@ -237,6 +226,8 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
     # the full checkpoint, read by a plain model as any user of the kind reads it
     reloaded = state.kind.load(shared / "checkpoint", state.precision, state.device, state.workdir)
     check_reload(state, reloaded, saved=state.engine_state["saved_in_precision"])
+    # the interrupted run goes on beside the resumed one: step k+1 is taken on both
+    state.engine_state["uninterrupted"] = (state.model, state.optimizer, state.engine_state["accelerator"])
     # the resume path: a new Accelerator, a fresh model and optimizer, load_state
     reset_accelerate(state)
     resumed, optimizer = _prepare(state, context, fresh_model(state))
@@ -248,12 +239,23 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
         outputs,
         CHECKPOINT_ROUND_TRIP,
     )
-    checks.check_optimizer_state_restored(state.engine_state["optimizer_state_before_save"], optimizer)
     state.model, state.optimizer = resumed, optimizer
 
 
+def _continuation(state: CellState, context, model, optimizer, accelerator) -> resume.Continuation:
+    return resume.Continuation(
+        step=lambda: _step(state, context, model, optimizer, accelerator),
+        tensors=lambda: resume.model_and_optimizer_tensors(model, optimizer),
+    )
+
+
 def rank_resumed_step(state: CellState, context) -> None:
-    resume_one_sharded_step(state, lambda: _step(state, context, state.model, state.optimizer))
+    model, optimizer, accelerator = state.engine_state["uninterrupted"]
+    model.train()
+    current = state.engine_state["accelerator"]
+    resumed = _continuation(state, context, state.model, state.optimizer, current)
+    uninterrupted = _continuation(state, context, model, optimizer, accelerator)
+    resume_one_sharded_step(state, resumed, uninterrupted, resume.scaler_state(current.scaler))
 
 
 class AccelerateFSDP2Engine(DistributedEngine):
@@ -285,11 +287,6 @@ class AccelerateFSDP2Engine(DistributedEngine):
     def rank_cleanup(self, state: CellState) -> None:
         if "accelerator" in state.engine_state:
             reset_accelerate(state)
-        for key, value in state.engine_state.get("environ", {}).items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 register(AccelerateFSDP2Engine())

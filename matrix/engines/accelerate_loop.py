@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register
 from matrix.phases import (
     TRAIN_STEPS,
@@ -19,7 +19,6 @@ from matrix.phases import (
     check_agrees_with_torch_engine,
     check_reload,
     check_training_contract,
-    resume_one_step,
     snapshot_trainable,
     train_until_applied,
 )
@@ -59,8 +58,8 @@ def _prepare(state: CellState, model, with_optimizer: bool):
     return accelerator.prepare(model, optimizer)
 
 
-def _step(state: CellState, model, optimizer) -> tuple[float, bool]:
-    accelerator = state.engine_state["accelerator"]
+def _step(state: CellState, model, optimizer, accelerator=None) -> tuple[float, bool]:
+    accelerator = accelerator or state.engine_state["accelerator"]
     optimizer.zero_grad(set_to_none=True)
     loss = state.kind.loss(model, state.batch)  # autocast comes from the prepared forward
     value = checks.check_finite_loss(loss, "training loss")
@@ -106,9 +105,17 @@ def checkpoint_save(state: CellState) -> None:
     directory = state.workdir / "accelerate-state"
     state.engine_state["accelerator"].save_state(str(directory))
     state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
+    if state.optimizer is not None:
+        resume.remember_point(state, state.optimizer, _scaler_state(state.engine_state["accelerator"]))
+
+
+def _scaler_state(accelerator) -> dict | None:
+    return resume.scaler_state(accelerator.scaler)
 
 
 def checkpoint_reload(state: CellState) -> None:
+    # the interrupted run goes on beside the resumed one: step k+1 is taken on both
+    state.engine_state["uninterrupted"] = (state.model, state.optimizer, state.engine_state["accelerator"])
     # A resumed run starts a new Accelerator, as a new process would.
     reset_accelerate(state)
     fresh = state.kind.build(state.precision, state.device, state.workdir)
@@ -118,8 +125,19 @@ def checkpoint_reload(state: CellState) -> None:
     state.model, state.optimizer = fresh, optimizer
 
 
+def _continuation(state: CellState, model, optimizer, accelerator) -> resume.Continuation:
+    return resume.Continuation(
+        step=lambda: _step(state, model, optimizer, accelerator),
+        tensors=lambda: resume.model_and_optimizer_tensors(model, optimizer),
+    )
+
+
 def resumed_step(state: CellState) -> None:
-    resume_one_step(state, lambda: _step(state, state.model, state.optimizer))
+    model, optimizer, accelerator = state.engine_state["uninterrupted"]
+    model.train()
+    current = state.engine_state["accelerator"]
+    resumed = _continuation(state, state.model, state.optimizer, current)
+    resume.resume_one_step(state, resumed, _continuation(state, model, optimizer, accelerator), _scaler_state(current))
 
 
 class AccelerateEngine(Engine):

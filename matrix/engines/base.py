@@ -80,6 +80,11 @@ class Engine(abc.ABC):
         """Why this engine cannot run on a device of the device axis here, or None."""
         return None
 
+    def precision_device_skip_reason(self, precision: Precision, device) -> str | None:
+        """Why this engine's library refuses a precision on a device of the axis here, in the
+        library's own words, or None (DeepSpeed asks its accelerator)."""
+        return None
+
     def kind_skip_reason(self, kind) -> str | None:
         """Why this engine cannot drive a model kind ("Requires: [...] (...)"), or None."""
         return None

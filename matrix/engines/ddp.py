@@ -7,7 +7,7 @@ rank 0 and read back by every rank, as DDP scripts do.
 
 from __future__ import annotations
 
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.base import Unsupported, register
 from matrix.engines.distributed import (
     DistributedEngine,
@@ -25,7 +25,6 @@ from matrix.phases import (
     check_agrees_with_torch_engine,
     check_training_contract,
     evaluate_in_precision,
-    resume_one_step,
     snapshot_trainable,
     train_until_applied,
 )
@@ -51,8 +50,10 @@ def _wrap(state: CellState, model):
     return wrapped
 
 
-def _step(state: CellState, context):
-    return lambda: sharded_step(state, context, state.engine_state["wrapped"], state.optimizer, state.scaler)
+def _step(state: CellState, context, wrapped=None, optimizer=None, scaler=None):
+    if wrapped is None:
+        wrapped, optimizer, scaler = state.engine_state["wrapped"], state.optimizer, state.scaler
+    return lambda: sharded_step(state, context, wrapped, optimizer, scaler)
 
 
 def rank_train_steps(state: CellState, context) -> None:
@@ -92,16 +93,29 @@ def rank_checkpoint_save(state: CellState, context) -> None:
         save_checkpoint(state, directory)  # the torch engine's format, written once
     barrier()  # every rank reads what rank 0 wrote
     state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
+    if state.optimizer is not None:
+        resume.remember_point(state, state.optimizer, resume.scaler_state(state.scaler))
 
 
 def rank_checkpoint_reload(state: CellState, context) -> None:
+    if state.optimizer is not None:  # the interrupted run goes on beside the resumed one
+        kept = (state.model, state.engine_state["wrapped"], state.optimizer, state.scaler)
+        state.engine_state["uninterrupted"] = kept
     state.model = load_checkpoint(state, state.engine_state["shared_dir"] / "checkpoint")
     if state.optimizer is not None:
         state.engine_state["wrapped"] = _wrap(state, state.model)
 
 
 def rank_resumed_step(state: CellState, context) -> None:
-    resume_one_step(state, _step(state, context))
+    model, wrapped, optimizer, scaler = state.engine_state["uninterrupted"]
+    model.train()
+    resumed = resume.Continuation(
+        _step(state, context), lambda: resume.model_and_optimizer_tensors(state.model, state.optimizer)
+    )
+    uninterrupted = resume.Continuation(
+        _step(state, context, wrapped, optimizer, scaler), lambda: resume.model_and_optimizer_tensors(model, optimizer)
+    )
+    resume.resume_one_step(state, resumed, uninterrupted, resume.scaler_state(state.scaler))
 
 
 class DDPEngine(DistributedEngine):

@@ -16,6 +16,7 @@ the loss reported for a step is the full batch's mean, as the torch engine compu
 from __future__ import annotations
 
 import abc
+import os
 import time
 
 from matrix.engines.base import Engine, Unsupported
@@ -93,14 +94,24 @@ class DistributedEngine(Engine):
                 group_start_s=round(group.started_s or 0.0, 3),
                 begin_cell_s=round(time.perf_counter() - began, 3),
             )
-        # each rank's CellMetrics, pickled back: rank 0's become the cell's, the group's record kept
-        ranks = group.call("matrix.engines.distributed:rank_phase", self.name, phase, timeout_s=timeout)
+        # each rank's CellMetrics, pickled back: rank 0's become the cell's, the group's record kept;
+        # a rank that raised sends what it had measured with its error: the first such rank's are kept
+        try:
+            ranks = group.call("matrix.engines.distributed:rank_phase", self.name, phase, timeout_s=timeout)
+        except rank_pool.RankFailure as failure:
+            if isinstance(failure.payload, CellMetrics):
+                self._take_metrics(state, failure.payload)
+            raise
+        self._take_metrics(state, ranks[0])
+        state.metrics.distributed.rank_first_step_losses = [given(m.rank_first_step_loss) for m in ranks]
+
+    @staticmethod
+    def _take_metrics(state: CellState, metrics: CellMetrics) -> None:
         distributed = state.metrics.distributed
-        state.metrics.update(ranks[0])
-        if ranks[0].distributed is not UNSET:
-            distributed.update(ranks[0].distributed)
+        state.metrics.update(metrics)
+        if metrics.distributed is not UNSET:
+            distributed.update(metrics.distributed)
         state.metrics.distributed = distributed
-        distributed.rank_first_step_losses = [given(m.rank_first_step_loss) for m in ranks]
 
     def cleanup(self, state: CellState) -> None:
         from matrix import rank_pool
@@ -173,6 +184,7 @@ def rank_phase(context, engine: str, phase: str) -> CellMetrics:
     except Exception as exc:
         if getattr(exc, "matrix_phase", None) is None:
             exc.matrix_phase = phase
+        exc.matrix_payload = state.metrics  # what this rank measured before it raised
         raise
     return state.metrics
 
@@ -183,6 +195,7 @@ def rank_end_cell(context) -> None:
     state = context.values.pop(RANK_STATE_KEY, None)
     if state is not None:
         ENGINES[state.cell.engine].rank_cleanup(state)
+        restore_environment(state)
         for hook in ("first_forward_watch", "first_training_forward_seed"):
             watch = state.engine_state.pop(hook, None)
             if watch is not None:
@@ -190,6 +203,36 @@ def rank_end_cell(context) -> None:
 
 
 # ---------------------------------------------------------------- rank-side helpers
+
+# What torchrun sets for each rank, which accelerate and DeepSpeed read
+LAUNCHER_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
+
+
+def set_launcher_environment(state: CellState, context, also_restored: tuple[str, ...] = (), **extra: str) -> None:
+    """Set this rank's launcher variables (and `extra`), as torchrun would, with one intra-op
+    thread count per rank as the group runs; rank_end_cell puts the old values back, and those
+    of `also_restored` (variables a library sets itself)."""
+    import torch
+
+    saved = state.engine_state.setdefault("environ", {})
+    for key in (*LAUNCHER_ENVIRONMENT, *also_restored, *extra):
+        saved.setdefault(key, os.environ.get(key))
+    os.environ.update(
+        RANK=str(context.rank),
+        WORLD_SIZE=str(context.world_size),
+        LOCAL_RANK=str(context.rank),
+        LOCAL_WORLD_SIZE=str(context.world_size),
+        OMP_NUM_THREADS=str(torch.get_num_threads()),
+        **extra,
+    )
+
+
+def restore_environment(state: CellState) -> None:
+    for key, value in state.engine_state.pop("environ", {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def shard_rows(batch: dict, rank: int, world: int) -> dict:
@@ -336,15 +379,15 @@ def gathered_copy(state: CellState, model, reuse: bool = False):
     return plain
 
 
-def resume_one_sharded_step(state: CellState, step) -> None:
-    """One more applied step from the reloaded sharded checkpoint; it must move the (gathered)
-    weights."""
-    from matrix import checks
-    from matrix.phases import snapshot_trainable, train_until_applied
+def resume_one_sharded_step(state: CellState, resumed, uninterrupted, scaler_state=None) -> None:
+    """Step k+1 from the reloaded sharded checkpoint against the interrupted run's own (matrix/
+    resume.py); it must also move the (gathered) weights."""
+    from matrix import checks, resume
+    from matrix.phases import snapshot_trainable
 
     state.model.train()
     before = snapshot_trainable(gathered_copy(state, state.model), state.kind)
-    state.metrics.resumed_losses = train_until_applied(state, step, 1)
+    resume.check_resume(state, resumed, uninterrupted, state.optimizer, scaler_state)
     checks.check_parameters_changed(before, gathered_copy(state, state.model))
 
 

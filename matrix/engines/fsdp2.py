@@ -13,7 +13,7 @@ saved by rank 0 in the kind's own format (save_pretrained), which a plain model 
 
 from __future__ import annotations
 
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.base import register
 from matrix.engines.distributed import (
     DistributedEngine,
@@ -72,8 +72,10 @@ def _shard(state: CellState, model):
     return model
 
 
-def _step(state: CellState, context):
-    return lambda: sharded_step(state, context, state.model, state.optimizer, state.scaler)
+def _step(state: CellState, context, model=None, optimizer=None, scaler=None):
+    if model is None:
+        model, optimizer, scaler = state.model, state.optimizer, state.scaler
+    return lambda: sharded_step(state, context, model, optimizer, scaler)
 
 
 def rank_train_steps(state: CellState, context) -> None:
@@ -114,7 +116,7 @@ def rank_checkpoint_save(state: CellState, context) -> None:
     # the sharded checkpoint (DCP), and what the sharded model computes before it is written
     state.engine_state["sharded_outputs_before_save"] = sharded_evaluate(state, context, state.model).logits
     if state.optimizer is not None:
-        state.engine_state["optimizer_state_before_save"] = checks.optimizer_state(state.optimizer)
+        resume.remember_point(state, state.optimizer, resume.scaler_state(state.scaler))
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shared / "dcp")
     else:
@@ -158,7 +160,8 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
         scaler = state.precision.make_grad_scaler(state.device_type)
         if scaler is not None:
             scaler.load_state_dict(torch.load(shared / SCALER_FILE, weights_only=True))
-        checks.check_optimizer_state_restored(state.engine_state["optimizer_state_before_save"], optimizer)
+        # the interrupted run goes on beside the resumed one: step k+1 is taken on both
+        state.engine_state["uninterrupted"] = (state.model, state.optimizer, state.scaler)
         state.optimizer, state.scaler = optimizer, scaler
     else:
         model_state = _sharded_model_state(resumed)
@@ -175,7 +178,15 @@ def rank_checkpoint_reload(state: CellState, context) -> None:
 
 
 def rank_resumed_step(state: CellState, context) -> None:
-    resume_one_sharded_step(state, _step(state, context))
+    model, optimizer, scaler = state.engine_state["uninterrupted"]
+    model.train()
+    resumed = resume.Continuation(
+        _step(state, context), lambda: resume.model_and_optimizer_tensors(state.model, state.optimizer)
+    )
+    uninterrupted = resume.Continuation(
+        _step(state, context, model, optimizer, scaler), lambda: resume.model_and_optimizer_tensors(model, optimizer)
+    )
+    resume_one_sharded_step(state, resumed, uninterrupted, resume.scaler_state(state.scaler))
 
 
 class FSDP2Engine(DistributedEngine):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.accelerate_loop import reset_accelerate
 from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register, run_tagged
 from matrix.phases import (
@@ -28,12 +28,14 @@ from matrix.phases import (
     check_resumed_one_step,
     check_training_contract,
     evaluate_in_precision,
+    fresh_model,
     record_library_steps,
     same_weights_copy,
+    seed_first_training_forward,
     snapshot_trainable,
 )
 from matrix.precisions import PRECISIONS, Precision
-from matrix.results.metrics import given
+from matrix.results.metrics import UNSET, given
 
 
 class Rows(torch.utils.data.Dataset):
@@ -65,6 +67,17 @@ def _trainer_classes() -> types.SimpleNamespace:
         def __init__(self) -> None:
             self.phase = "train_steps"
             self.eval_metrics: dict | None = None
+            self.trainer = None  # the Trainer it follows (_trainer sets it)
+            self.optimizer_at_begin = None  # the optimizer's state as train() set it up (resumed: loaded)
+            # how the optimizer's and the loss scaler's state are read: torch's optimizer and
+            # accelerate's GradScaler, or another engine's own (DeepSpeed's)
+            self.optimizer_state_of = lambda trainer: checks.optimizer_state(trainer.optimizer)
+            self.scaler_state_of = lambda trainer: resume.scaler_state(trainer.accelerator.scaler)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            # after train() set up the optimizer and, resuming, loaded its state and the scaler's
+            self.optimizer_at_begin = self.optimizer_state_of(self.trainer)
+            self.scaler_state_at_begin = self.scaler_state_of(self.trainer)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             # as the torch engine checks after every optimizer step: the same bug, the same signature
@@ -131,12 +144,15 @@ def forward_skip_reason(kind) -> str | None:
     return None
 
 
-def _arguments(state: CellState, max_steps: int):
-    return _trainer_classes().TrainingArguments(
-        output_dir=str(state.workdir / "trainer"),
+def _arguments(state: CellState, max_steps: int, output: str, **overrides):
+    """The TrainingArguments every cell of the Trainer runs with; `overrides` (a DeepSpeed config,
+    per-rank batch sizes) replace or add to them."""
+    rows = len(state.engine_state["rows"])
+    arguments = dict(
+        output_dir=str(state.workdir / output),
         max_steps=max_steps,
-        per_device_train_batch_size=len(state.engine_state["rows"]),
-        per_device_eval_batch_size=len(state.engine_state["rows"]),
+        per_device_train_batch_size=rows,
+        per_device_eval_batch_size=rows,
         learning_rate=state.learning_rate,
         lr_scheduler_type="constant",
         weight_decay=0.01,  # torch.optim.AdamW's default, as in the torch engine
@@ -152,28 +168,32 @@ def _arguments(state: CellState, max_steps: int):
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        **state.metrics.engine_settings,
     )
+    arguments.update({k: v for k, v in state.metrics.engine_settings.items() if k in ("fp16", "bf16")})
+    arguments.update(overrides)
+    return _trainer_classes().TrainingArguments(**arguments)
 
 
-def _trainer(state: CellState, model, max_steps: int):
+def _trainer(state: CellState, model, max_steps: int, output: str = "trainer", **overrides):
     state.device_kind.activate(state.device)
     rows = state.engine_state.setdefault("rows", Rows(state.batch))
     tracker = _trainer_classes().PhaseTracker()
     trainer = _trainer_classes().RecordingTrainer(
         model=model,
-        args=_arguments(state, max_steps),
+        args=_arguments(state, max_steps, output, **overrides),
         train_dataset=rows,
         eval_dataset=rows,
         data_collator=stack_rows,
         callbacks=[tracker],
     )
+    tracker.trainer = trainer
     state.engine_state.update(trainer=trainer, tracker=tracker)
-    state.metrics.engine_effective = {
-        "mixed_precision": trainer.accelerator.mixed_precision,
-        "native_amp": trainer.accelerator.native_amp,
-        "device": str(trainer.args.device),
-    }
+    if state.metrics.engine_effective is UNSET:  # the cell's first Trainer; a resumed one is set up alike
+        state.metrics.engine_effective = {
+            "mixed_precision": trainer.accelerator.mixed_precision,
+            "native_amp": trainer.accelerator.native_amp,
+            "device": str(trainer.args.device),
+        }
     return trainer
 
 
@@ -230,6 +250,9 @@ def checkpoint_save(state: CellState) -> None:
     if not directory.is_dir():
         raise checks.CheckFailure("the Trainer wrote no checkpoint on its save schedule")
     state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
+    if state.cell.mode == "train":  # the Trainer saved at the end of its last step: what it holds now
+        trainer = state.engine_state["trainer"]
+        resume.remember_point(state, trainer.optimizer, resume.scaler_state(trainer.accelerator.scaler))
     # outputs of the same weights without the Trainer's forward wrapper, to compare with a reload
     state.outputs_before_save = _evaluate_as_trainer_ran(state, same_weights_copy(state, state.model)).logits
 
@@ -256,9 +279,34 @@ def resumed_step(state: CellState) -> None:
     reset_accelerate(state)  # a resumed run is a new process
     model = state.kind.build(state.precision, state.device, state.workdir)
     trainer = _trainer(state, model, TRAIN_STEPS + 1)
-    run_tagged(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), state.engine_state["tracker"])
+    tracker = state.engine_state["tracker"]
+    run_tagged(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), tracker)
     state.metrics.resumed_losses = trainer.training_losses
     check_resumed_one_step(state, trainer.training_losses, state.engine_state["reloaded"], model)
+    failure = None
+    try:
+        resume.check_restored(state, tracker.optimizer_at_begin, tracker.scaler_state_at_begin)
+    except checks.CheckpointMismatch as mismatch:  # the comparison below is recorded too
+        failure = mismatch
+    # the same run uninterrupted: TRAIN_STEPS + 1 steps from the start, with the same schedule
+    reset_accelerate(state)
+    again = fresh_model(state)
+    seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
+    uninterrupted = _trainer(state, again, TRAIN_STEPS + 1, output="uninterrupted")
+    uninterrupted.train()
+    resume.record_random_numbers(state, "the Trainer's own: the checkpoint's random states, restored on resume")
+    try:
+        resume.check_same_step(
+            state,
+            trainer.training_losses,
+            resume.model_and_optimizer_tensors(model, trainer.optimizer),
+            uninterrupted.training_losses[TRAIN_STEPS:],
+            resume.model_and_optimizer_tensors(again, uninterrupted.optimizer),
+        )
+    except checks.ResumeDiverged as diverged:
+        failure = failure or diverged
+    if failure is not None:
+        raise failure
 
 
 class HFTrainerEngine(Engine):

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register, run_tagged
 from matrix.phases import (
     TRAIN_STEPS,
@@ -24,8 +24,10 @@ from matrix.phases import (
     check_reload,
     check_resumed_one_step,
     check_training_contract,
+    fresh_model,
     record_library_steps,
     return_from_library_device,
+    seed_first_training_forward,
     snapshot_trainable,
 )
 from matrix.precisions import Precision
@@ -67,6 +69,13 @@ def _lightning() -> types.SimpleNamespace:
     class PhaseTracker(Callback):
         def __init__(self, first_phase: str) -> None:
             self.first_phase = self.phase = first_phase
+            self.optimizer_at_start = None  # the optimizer's state as fit() set it up (resumed: loaded)
+            self.scaler_state_at_start = None
+
+        def on_train_start(self, trainer, pl_module):
+            # after fit() restored the checkpoint's optimizer and precision plugin state
+            self.optimizer_at_start = checks.optimizer_state(trainer.optimizers[0])
+            self.scaler_state_at_start = resume.scaler_state(getattr(trainer.precision_plugin, "scaler", None))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.phase = self.first_phase
@@ -99,12 +108,12 @@ def _loader(state: CellState):
     return torch.utils.data.DataLoader([batch], batch_size=None)  # one fixed batch per epoch
 
 
-def _trainer(state: CellState, max_steps: int, first_phase: str):
+def _trainer(state: CellState, max_steps: int, first_phase: str, directory: str = "lightning"):
     lightning = _lightning()
     tracker = lightning.PhaseTracker(first_phase)
     grad_mode = state.kind.variant.eval_grad_mode
     checkpoints = lightning.ModelCheckpoint(
-        dirpath=state.workdir / "lightning", filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
+        dirpath=state.workdir / directory, filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
     )
     trainer = lightning.Trainer(
         accelerator=state.device.type,  # Lightning's names for cpu, cuda, mps are torch's
@@ -192,6 +201,10 @@ def checkpoint_save(state: CellState) -> None:
         )
     state.metrics.checkpoint_files = [_checkpoint_file(state).name]
     state.outputs_before_save = _evaluate_as_lightning(state, state.model).logits
+    if state.cell.mode == "train":  # ModelCheckpoint saved at the end of the last step: what fit() left
+        trainer = state.engine_state["trainer"]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        resume.remember_point(state, trainer.optimizers[0], resume.scaler_state(scaler))
 
 
 def checkpoint_reload(state: CellState) -> None:
@@ -207,13 +220,37 @@ def resumed_step(state: CellState) -> None:
     model = state.kind.build(state.precision, state.device, state.workdir)
     module = _lightning().CellModule(state, model)
     trainer = _trainer(state, TRAIN_STEPS + 1, "resumed_step")
+    tracker = state.engine_state["tracker"]
     path = _checkpoint_file(state)
-    run_tagged(
-        lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), state.engine_state["tracker"]
-    )
+    run_tagged(lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), tracker)
     _after_teardown(state, module, "resumed fit")
     state.metrics.resumed_losses = module.training_losses
     check_resumed_one_step(state, module.training_losses, state.engine_state["reloaded"], model)
+    failure = None
+    try:
+        resume.check_restored(state, tracker.optimizer_at_start, tracker.scaler_state_at_start)
+    except checks.CheckpointMismatch as mismatch:  # the comparison below is recorded too
+        failure = mismatch
+    # the same run uninterrupted: TRAIN_STEPS + 1 steps from the start, validation and save included
+    again = fresh_model(state)
+    seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
+    whole = _lightning().CellModule(state, again)
+    uninterrupted = _trainer(state, TRAIN_STEPS + 1, "resumed_step", directory="uninterrupted")
+    uninterrupted.fit(whole, train_dataloaders=_loader(state), val_dataloaders=_loader(state))
+    _after_teardown(state, whole, "uninterrupted fit")
+    resume.record_random_numbers(state, "Lightning's own: whatever fit() restores from its checkpoint")
+    try:
+        resume.check_same_step(
+            state,
+            module.training_losses,
+            resume.model_and_optimizer_tensors(model, trainer.optimizers[0]),
+            whole.training_losses[TRAIN_STEPS:],
+            resume.model_and_optimizer_tensors(again, uninterrupted.optimizers[0]),
+        )
+    except checks.ResumeDiverged as diverged:
+        failure = failure or diverged
+    if failure is not None:
+        raise failure
 
 
 class LightningEngine(Engine):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from matrix import checks
+from matrix import checks, resume
 from matrix.engines.base import Engine, register
 from matrix.phases import (
     TRAIN_STEPS,
@@ -14,7 +14,6 @@ from matrix.phases import (
     check_reload,
     check_training_contract,
     evaluate_in_precision,
-    resume_one_step,
     snapshot_trainable,
     train_step,
     train_until_applied,
@@ -84,14 +83,30 @@ def checkpoint_save(state: CellState) -> None:
     directory = state.workdir / "checkpoint"
     save_checkpoint(state, directory)
     state.metrics.checkpoint_files = sorted(p.name for p in directory.iterdir())
+    if state.optimizer is not None:
+        resume.remember_point(state, state.optimizer, resume.scaler_state(state.scaler))
 
 
 def checkpoint_reload(state: CellState) -> None:
+    state.engine_state["uninterrupted"] = (state.model, state.optimizer, state.scaler)
     state.model = load_checkpoint(state, state.workdir / "checkpoint")
 
 
+def continuation(state: CellState, model, optimizer, scaler) -> resume.Continuation:
+    """Step k+1 of a hand-written loop, and what it is compared by."""
+    return resume.Continuation(
+        step=lambda: train_step(state, model, optimizer, scaler),
+        tensors=lambda: resume.model_and_optimizer_tensors(model, optimizer),
+    )
+
+
 def resumed_step(state: CellState) -> None:
-    resume_one_step(state, lambda: train_step(state, state.model, state.optimizer, state.scaler))
+    model, optimizer, scaler = state.engine_state["uninterrupted"]
+    model.train()
+    resumed = continuation(state, state.model, state.optimizer, state.scaler)
+    resume.resume_one_step(
+        state, resumed, continuation(state, model, optimizer, scaler), resume.scaler_state(state.scaler)
+    )
 
 
 class TorchEngine(Engine):

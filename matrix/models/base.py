@@ -61,6 +61,10 @@ TRAITS: dict[str, str] = {
         "loader, which makes them in another dtype than the bf16 asked for (fp32): a cast to half does not "
         "survive a save and reload"
     ),
+    "saved-in-another-layout": (
+        "its save writes some state-dict entries under other names or shapes (transformers 5's MoE experts one "
+        "per expert, renamed modules, as the Hub's checkpoints have them): only from_pretrained converts them back"
+    ),
     "embeddings-in-no-split-module": (
         "its input embeddings sit inside a module its _no_split_modules lists (BERT: BertEmbeddings)"
     ),

@@ -197,6 +197,25 @@ class Quantized(Record):
 
 
 @dataclass(slots=True)
+class Resume(Record):
+    """A resumed step k+1 against the same run uninterrupted (matrix/resume.py)."""
+
+    optimizer_state_tensors: int | None = UNSET  # optimizer state tensors held at the save (this rank's)
+    optimizer_state_restored: bool | None = UNSET  # all of them back bit for bit after the reload
+    scaler_state_restored: bool | None = UNSET  # the grad scaler's state back (null: no scaler)
+    judged: str | None = UNSET  # bit for bit (a deterministic device) or within tolerance, and why
+    tolerance: Tolerance | None = UNSET  # the losses' tolerance where not bit for bit
+    tensor_tolerance: Tolerance | None = UNSET  # the tensors' tolerance where not bit for bit
+    step_losses: list | None = UNSET  # the resumed step's losses, every attempt
+    uninterrupted_step_losses: list | None = UNSET  # the uninterrupted run's step k+1 losses
+    loss_difference_abs: float | None = UNSET  # the largest |resumed - uninterrupted| loss
+    tensors_compared: int | None = UNSET  # parameters, master weights and optimizer state compared
+    tensors_differing: int | None = UNSET  # of those, how many differ (beyond tolerance)
+    tensors_max_abs_difference: float | None = UNSET  # the largest difference of any of them
+    random_numbers: str | None = UNSET  # how both sides of step k+1 got the same draws
+
+
+@dataclass(slots=True)
 class CellMetrics(Record):
     """What a cell's phases measured, as far as the cell got."""
 
@@ -233,12 +252,14 @@ class CellMetrics(Record):
     checkpoint_files: list | None = UNSET  # the files the checkpoint wrote
     accelerate_state_files: list | None = UNSET  # accelerate's save_state files (accelerate-fsdp2)
     dcp_files: int | None = UNSET  # files torch.distributed.checkpoint wrote (fsdp2)
+    deepspeed_checkpoint_files: list | None = UNSET  # the files DeepSpeed's save_checkpoint wrote
     reload_max_abs_difference: float | None = UNSET  # eval logits, saved vs reloaded model
     dcp_reload_max_abs_difference: float | None = UNSET  # the same through the sharded checkpoint
     resumed_losses: list | None = UNSET  # the loss of the step resumed from the checkpoint
+    resume: Resume | None = UNSET  # the resumed step against the same run uninterrupted
 
 
-RECORDS = (CellMetrics, KindRecord, Effective, LearningRate, Distributed, CrossEngine, LossDecrease, Tolerance)
+RECORDS = (CellMetrics, KindRecord, Effective, LearningRate, Distributed, CrossEngine, LossDecrease, Tolerance, Resume)
 
 
 def field_names(record: "type[Record]" = CellMetrics) -> list[str]:
