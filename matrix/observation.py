@@ -258,6 +258,7 @@ def _saved_in_another_layout(kind, model: nn.Module, workdir: Path) -> tuple[str
     from safetensors import safe_open
 
     directory = workdir / "layout-probe"
+    directory.mkdir()  # a kind's save may expect its directory to exist, as build() gives it one
     kind.save(model, directory)
     saved: set[str] = set()
     for path in directory.glob("model*.safetensors"):
