@@ -42,11 +42,18 @@ def selected_by_trait(entry: dict, cell: dict, traits: frozenset[str]) -> bool:
     for selector in entry["cells"]:
         if "trait" not in selector or "model" in selector:
             continue
-        if all(
-            (set(values) & traits) if axis == "trait" else cell[axis] in values for axis, values in selector.items()
-        ):
+        if all(_holds(axis, values, cell, traits) for axis, values in selector.items()):
             return True
     return False
+
+
+def _holds(axis: str, values: list, cell: dict, traits: frozenset[str]) -> bool:
+    """One key of a selector: a trait, `not_<axis>` (any value but those), or an axis."""
+    if axis == "trait":
+        return bool(set(values) & traits)
+    if axis.startswith("not_"):
+        return cell[axis.removeprefix("not_")] not in values
+    return cell[axis] in values
 
 
 def rerun(cell: dict) -> int:
