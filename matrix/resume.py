@@ -144,6 +144,34 @@ def check_resume(state, resumed: Continuation, uninterrupted: Continuation, opti
         raise failure
 
 
+def check_library_resume(
+    state,
+    restored: tuple,
+    losses: list[float],
+    after_resume: dict[str, torch.Tensor],
+    run_uninterrupted: Callable[[], tuple[list[float], dict[str, torch.Tensor]]],
+    random_numbers: str,
+) -> None:
+    """The resumed step of a library that owns its loop (the Trainer, Lightning): the state the
+    resumed run began with (`restored`: optimizer state and scaler state, as the library loaded
+    them) against the save's, then its step k+1 (`losses`, `after_resume`) against the same run
+    made again from the start without the interruption (`run_uninterrupted()` -> its step k+1's
+    losses and tensors). Both are measured before either check raises."""
+    failure = None
+    try:
+        check_restored(state, *restored)
+    except checks.CheckpointMismatch as mismatch:  # the comparison below is recorded too
+        failure = mismatch
+    uninterrupted_losses, after_uninterrupted = run_uninterrupted()
+    record_random_numbers(state, random_numbers)
+    try:
+        check_same_step(state, losses, after_resume, uninterrupted_losses, after_uninterrupted)
+    except checks.ResumeDiverged as diverged:
+        failure = failure or diverged
+    if failure is not None:
+        raise failure
+
+
 def resume_one_step(state, resumed: Continuation, uninterrupted: Continuation, scaler_state=None) -> None:
     """A hand-written loop's resumed_step: step k+1 from the reloaded model and optimizer against
     the interrupted run's own step k+1 (check_resume); it must also move the weights."""

@@ -237,6 +237,10 @@ def evaluate(state: CellState) -> None:
     check_agrees_with_torch_engine(state, result.loss.float().item(), "eval")
 
 
+# how the Trainer's resumed step and its uninterrupted twin get the same random numbers
+TRAINER_RANDOM_NUMBERS = "the Trainer's own: the checkpoint's random states, restored on resume"
+
+
 def _checkpoint_dir(state: CellState):
     if state.cell.mode == "train":
         return state.workdir / "trainer" / f"checkpoint-{TRAIN_STEPS}"
@@ -283,30 +287,23 @@ def resumed_step(state: CellState) -> None:
     run_tagged(lambda: trainer.train(resume_from_checkpoint=str(_checkpoint_dir(state))), tracker)
     state.metrics.resumed_losses = trainer.training_losses
     check_resumed_one_step(state, trainer.training_losses, state.engine_state["reloaded"], model)
-    failure = None
-    try:
-        resume.check_restored(state, tracker.optimizer_at_begin, tracker.scaler_state_at_begin)
-    except checks.CheckpointMismatch as mismatch:  # the comparison below is recorded too
-        failure = mismatch
-    # the same run uninterrupted: TRAIN_STEPS + 1 steps from the start, with the same schedule
-    reset_accelerate(state)
-    again = fresh_model(state)
-    seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
-    uninterrupted = _trainer(state, again, TRAIN_STEPS + 1, output="uninterrupted")
-    uninterrupted.train()
-    resume.record_random_numbers(state, "the Trainer's own: the checkpoint's random states, restored on resume")
-    try:
-        resume.check_same_step(
-            state,
-            trainer.training_losses,
-            resume.model_and_optimizer_tensors(model, trainer.optimizer),
-            uninterrupted.training_losses[TRAIN_STEPS:],
-            resume.model_and_optimizer_tensors(again, uninterrupted.optimizer),
-        )
-    except checks.ResumeDiverged as diverged:
-        failure = failure or diverged
-    if failure is not None:
-        raise failure
+
+    def uninterrupted():  # TRAIN_STEPS + 1 steps from the start, with the same schedule
+        reset_accelerate(state)
+        again = fresh_model(state)
+        seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
+        run = _trainer(state, again, TRAIN_STEPS + 1, output="uninterrupted")
+        run.train()
+        return run.training_losses[TRAIN_STEPS:], resume.model_and_optimizer_tensors(again, run.optimizer)
+
+    resume.check_library_resume(
+        state,
+        (tracker.optimizer_at_begin, tracker.scaler_state_at_begin),
+        trainer.training_losses,
+        resume.model_and_optimizer_tensors(model, trainer.optimizer),
+        uninterrupted,
+        TRAINER_RANDOM_NUMBERS,
+    )
 
 
 class HFTrainerEngine(Engine):

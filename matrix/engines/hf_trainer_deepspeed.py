@@ -30,7 +30,7 @@ from matrix.engines.distributed import (
     shard_rows,
     sharded_dropout_off_loss,
 )
-from matrix.engines.hf_trainer import Rows, _trainer, forward_skip_reason
+from matrix.engines.hf_trainer import TRAINER_RANDOM_NUMBERS, Rows, _trainer, forward_skip_reason
 from matrix.phases import (
     TRAIN_STEPS,
     CellState,
@@ -236,30 +236,23 @@ def rank_resumed_step(state: CellState, context) -> None:
     check_resumed_one_step(
         state, trainer.training_losses, state.engine_state["reloaded"], zero.plain_copy(state, engine)
     )
-    failure = None
-    try:
-        resume.check_restored(state, tracker.optimizer_at_begin, tracker.scaler_state_at_begin)
-    except checks.CheckpointMismatch as mismatch:  # the comparison below is recorded too
-        failure = mismatch
-    # the same run uninterrupted: TRAIN_STEPS + 1 steps from the start, with the same schedule
-    reset_accelerate(state)
-    again = fresh_model(state)
-    seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
-    uninterrupted = _deepspeed_trainer(state, context, again, TRAIN_STEPS + 1, output="uninterrupted")
-    _calling(uninterrupted, uninterrupted.train)()
-    resume.record_random_numbers(state, "the Trainer's own: the checkpoint's random states, restored on resume")
-    try:
-        resume.check_same_step(
-            state,
-            trainer.training_losses,
-            zero._tensors(state, engine),
-            uninterrupted.training_losses[TRAIN_STEPS:],
-            zero._tensors(state, _keep(state, _engine(uninterrupted))),
-        )
-    except checks.ResumeDiverged as diverged:
-        failure = failure or diverged
-    if failure is not None:
-        raise failure
+
+    def uninterrupted():  # TRAIN_STEPS + 1 steps from the start, with the same schedule
+        reset_accelerate(state)
+        again = fresh_model(state)
+        seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
+        run = _deepspeed_trainer(state, context, again, TRAIN_STEPS + 1, output="uninterrupted")
+        _calling(run, run.train)()
+        return run.training_losses[TRAIN_STEPS:], zero._tensors(state, _keep(state, _engine(run)))
+
+    resume.check_library_resume(
+        state,
+        (tracker.optimizer_at_begin, tracker.scaler_state_at_begin),
+        trainer.training_losses,
+        zero._tensors(state, engine),
+        uninterrupted,
+        TRAINER_RANDOM_NUMBERS,
+    )
 
 
 class TrainerDeepSpeedEngine(DistributedEngine):

@@ -226,31 +226,24 @@ def resumed_step(state: CellState) -> None:
     _after_teardown(state, module, "resumed fit")
     state.metrics.resumed_losses = module.training_losses
     check_resumed_one_step(state, module.training_losses, state.engine_state["reloaded"], model)
-    failure = None
-    try:
-        resume.check_restored(state, tracker.optimizer_at_start, tracker.scaler_state_at_start)
-    except checks.CheckpointMismatch as mismatch:  # the comparison below is recorded too
-        failure = mismatch
-    # the same run uninterrupted: TRAIN_STEPS + 1 steps from the start, validation and save included
-    again = fresh_model(state)
-    seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
-    whole = _lightning().CellModule(state, again)
-    uninterrupted = _trainer(state, TRAIN_STEPS + 1, "resumed_step", directory="uninterrupted")
-    uninterrupted.fit(whole, train_dataloaders=_loader(state), val_dataloaders=_loader(state))
-    _after_teardown(state, whole, "uninterrupted fit")
-    resume.record_random_numbers(state, "Lightning's own: whatever fit() restores from its checkpoint")
-    try:
-        resume.check_same_step(
-            state,
-            module.training_losses,
-            resume.model_and_optimizer_tensors(model, trainer.optimizers[0]),
-            whole.training_losses[TRAIN_STEPS:],
-            resume.model_and_optimizer_tensors(again, uninterrupted.optimizers[0]),
-        )
-    except checks.ResumeDiverged as diverged:
-        failure = failure or diverged
-    if failure is not None:
-        raise failure
+
+    def uninterrupted():  # TRAIN_STEPS + 1 steps from the start, validation and save included
+        again = fresh_model(state)
+        seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
+        whole = _lightning().CellModule(state, again)
+        run = _trainer(state, TRAIN_STEPS + 1, "resumed_step", directory="uninterrupted")
+        run.fit(whole, train_dataloaders=_loader(state), val_dataloaders=_loader(state))
+        _after_teardown(state, whole, "uninterrupted fit")
+        return whole.training_losses[TRAIN_STEPS:], resume.model_and_optimizer_tensors(again, run.optimizers[0])
+
+    resume.check_library_resume(
+        state,
+        (tracker.optimizer_at_start, tracker.scaler_state_at_start),
+        module.training_losses,
+        resume.model_and_optimizer_tensors(model, trainer.optimizers[0]),
+        uninterrupted,
+        "Lightning's own: whatever fit() restores from its checkpoint",
+    )
 
 
 class LightningEngine(Engine):
