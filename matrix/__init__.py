@@ -10,8 +10,11 @@ Where things live (one home each):
   models/          - one file per model kind, built from configs in code (nothing is downloaded);
                      hf_architecture.py makes hf:<model_type> / hf:<path> kinds on demand, from
                      tiny configs that hf_shrink.py builds by the rules in hf_shrink_rules.toml
-  engines/         - one file per engine (torch, accelerate, hf-trainer, lightning): its phases
-                     and the settings it derives from a precision
+  engines/         - one file per engine (torch, accelerate, hf-trainer, lightning, ddp, fsdp2,
+                     accelerate-fsdp2, deepspeed-zero0..3, hf-trainer-zero2/3): what its library
+                     does to a cell, and the settings it derives from a precision; base.py says
+                     what an engine supplies, distributed.py runs a cell in the ranks
+  libraries/       - support for a library two engines share (accelerate, the Trainer, DeepSpeed)
   selection.py     - axis values from the registries, --model a,b selection, enumeration
   shards.py        - --shard K/N
   variants.py      - the settings the grid holds constant (batch, sizes, cache, loop)
@@ -21,7 +24,15 @@ Where things live (one home each):
   observation.py   - what the harness observes on a model kind: traits, loss items, frozen and
                      gradless parameters
   learning_rate.py - the learning rate a kind trains at: searched in fp32, cached on disk
-  phases.py        - what every cell's phases share (state, fp32 comparison, training contract)
+  pipeline.py      - a cell's pipeline, owned by the harness: every phase and every check, for
+                     every engine (one edit here adds a check to all of them)
+  cell_state.py    - what the harness knows of a running cell, typed
+  measurements.py  - how the harness measures: evaluations, fp32 references, seeded losses, a step
+  kind_traits.py   - what is established once per kind: traits, learning rate, the fp32 twin's fall
+  schedule.py      - the steps every training cell runs, and the seeds of its random numbers
+  group.py         - the processes a cell runs in: one, or the ranks of a process group
+  rank_pool.py, rank_worker.py - the run's group of ranks the distributed engines use
+  resume.py        - a resumed step must equal the run it interrupted
   execute.py       - running a cell and classifying its record (no pytest)
   signatures.py    - failure signature: phase, exception type, normalized message, origin
   catalogue.py     - the known-failure catalogue (known_failures.toml, plus users' files)

@@ -59,14 +59,14 @@ STACK_MODULES = (
     "accelerate",
     "lightning",
     "matrix.plugin",
-    "matrix.phases",
+    "matrix.pipeline",
     "matrix.engines",
     "matrix.models",
 )
 PROBE_PLUGIN = "matrix.bench_probe"  # loaded into the timed runs: it writes what they imported
 PROBE_VARIABLE = "MATRIX_BENCH_IMPORTS"  # the directory it writes into, one file per process
 RUN_OK = (0, 1)  # pytest: all passed, or some cells failed; anything else is a broken run
-PHASES = {"matrix": "matrix runs", "import": "imports", "per_cell": "per-cell runs"}
+PHASES = {"matrix": "matrix runs", "import": "imports", "per_cell": "per-cell runs", "per_engine": "per-engine run"}
 BUSY_SHARE_WARNING = 0.2  # other processes' average use of the CPU, in cores, worth a warning
 
 
@@ -178,6 +178,57 @@ def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_di
         progress(f"matrix run {n}/{repeat}: {wall:.1f} s, {len(cells)} cells, compute {run['compute_s']:.1f} s")
         runs.append(run)
     return runs
+
+
+def run_per_engine(runner: list[str], extra: list[str], report_dir: Path) -> dict:
+    """The CPU matrix over every engine (`--device cpu` and the extra pytest args), once: what each
+    engine's cells cost, per mode, and where in the pipeline their time goes (phase_costs)."""
+    from matrix.results.phase_costs import engine_costs, phase_costs, ran
+
+    pytest_args = ["--device", "cpu", *extra]
+    command = [*runner, *pytest_args, "--report-dir", str(report_dir), "--run-id", "per-engine"]
+    wall, done = timed([*command, "-p", "no:cacheprovider"])
+    if done.returncode not in RUN_OK:
+        raise BenchError(f"the per-engine run exited with status {done.returncode}: {last_line(done)}")
+    try:
+        results = json.loads((report_dir / "per-engine" / "results.json").read_text())
+        cells = results["cells"]
+    except (OSError, ValueError, KeyError) as error:
+        raise BenchError(f"the per-engine run wrote no readable results.json: {error}") from None
+    slowest: dict[str, dict] = {}
+    for cost in phase_costs(cells):  # slowest first: each engine's first is its slowest phase
+        slowest.setdefault(cost.engine, asdict(cost))
+    progress(f"per-engine run: {wall:.1f} s, {len(ran(cells))} cells ran")
+    return {
+        "pytest_args": pytest_args,
+        "wall_s": wall,
+        "counts": results["counts"],
+        "compute_s": sum(c["duration_s"] for c in ran(cells)),
+        "engines": [asdict(cost) for cost in engine_costs(cells)],
+        "slowest_phase": slowest,
+    }
+
+
+def per_engine_markdown(per_engine: dict, runner: str) -> list[str]:
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in per_engine["counts"].items() if n)
+    lines = [
+        "## Cell cost per engine",
+        "",
+        f"`{runner} {shlex.join(per_engine['pytest_args'])}`: {counts}; {per_engine['wall_s']:.1f} s wall, "
+        f"{per_engine['compute_s']:.1f} s in the cells that ran (their `duration_s`). Each engine's cells that "
+        "ran, per mode, and its slowest phase in all (`phase_seconds`).",
+        "",
+        "| engine | mode | cells | median cell | total | engine's slowest phase |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cost in per_engine["engines"]:
+        phase = per_engine["slowest_phase"].get(cost["engine"])
+        where = f"{phase['part']}: {phase['total_s']:.1f} s, median {phase['median_s']:.3f} s" if phase else "-"
+        lines.append(
+            f"| {cost['engine']} | {cost['part']} | {cost['cells']} | {cost['median_s']:.3f} s "
+            f"| {cost['total_s']:.1f} s | {where} |"
+        )
+    return [*lines, ""]
 
 
 def probe_report(directory: Path) -> list[str] | None:
@@ -343,6 +394,8 @@ def bench_arguments(args: argparse.Namespace, extra: list[str]) -> str:
         words += ["--repeat", str(args.repeat)]
     if args.per_cell_sample is not None:
         words += ["--per-cell-sample", str(args.per_cell_sample)]
+    if args.per_engine:
+        words += ["--per-engine"]
     return shlex.join(words + (["--", *extra] if extra else []))
 
 
@@ -422,6 +475,8 @@ def report_markdown(f: dict) -> str:
         mark = {True: "✅", False: "❌", None: "➖"}[t["met"]]
         goal = f"{t['op']} {amount(t['limit'], t['unit'])}"
         lines.append(f"| {t['label']} | {goal} | {amount(t['value'], t['unit'])} | {mark} {t['verdict']} |")
+    if f.get("per_engine"):
+        lines += ["", *per_engine_markdown(f["per_engine"], f["runner"])]
     lines += [
         "",
         "## How to reproduce",
@@ -459,6 +514,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--per-cell-sample", type=positive_int, metavar="K", help="run only K cells one per process, extrapolate"
     )
+    parser.add_argument(
+        "--per-engine",
+        action="store_true",
+        help="also run the CPU matrix over every engine once and report each engine's cell cost",
+    )
     parser.add_argument("--write", action="store_true", help="also write the report to BENCHMARKS.md")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
     return parser.parse_args(own), extra
@@ -476,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         import_walls, other["import"] = watched(measure_import, args.repeat, imported_modules(runs))
         cells = runs[0]["cells"]
         per_cell, other["per_cell"] = watched(run_per_cell, cells, pytest_args, args.per_cell_sample)
+        per_engine = None
+        if args.per_engine:
+            with tempfile.TemporaryDirectory(prefix="matrix-bench-") as reports:
+                per_engine, other["per_engine"] = watched(run_per_engine, runner, extra, Path(reports))
     except BenchError as error:
         print(f"python -m matrix.bench: {error}", file=sys.stderr)
         return 2
@@ -488,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         "arguments": bench_arguments(args, extra),
     }
     result = figures(import_walls, runs, per_cell, meta)
+    if per_engine is not None:
+        result["per_engine"] = per_engine
     markdown = report_markdown(result)
     print(markdown)
     if args.write:

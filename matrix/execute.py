@@ -1,15 +1,16 @@
-"""Running a cell: its phases through its engine (run_cell), and the record that says how it
-went, classified against the known-failure catalogue (run_and_record). No pytest here: the
-pytest plugin (matrix/plugin.py) and `python -m matrix replay` both call these.
+"""Running a cell: its phases (matrix/pipeline.py) with its engine, in this process or in the
+ranks of a process group (run_cell), and the record that says how it went, classified against the
+known-failure catalogue (run_and_record). No pytest here: the pytest plugin (matrix/plugin.py) and
+`python -m matrix replay` both call these.
 
 train: train_steps -> mid_training_eval -> checkpoint_save -> checkpoint_reload -> resumed_step
 eval:  evaluate -> checkpoint_save -> checkpoint_reload
 
-The first phase that raises ends the cell; its exception becomes the signature. Where a
-library runs several phases in one call (Trainer.train() steps, evaluates and saves), the
-engine tags the exception with the phase the library was in (`matrix_phase`), and the phases
-before it count as passed. Phases after the failing one are recorded as not run. Nothing is
-caught that is not recorded.
+The first phase that raises ends the cell; its exception becomes the signature. Where a library
+runs several phases in one call (Trainer.train() steps, evaluates and saves) and fails in a later
+one than the harness is in, the exception carries the phase the library was in (`matrix_phase`),
+and the phases before it count as passed. Phases after the failing one are recorded as not run.
+Each phase's time is recorded. Nothing is caught that is not recorded.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from matrix import checks
+from matrix import pipeline
 from matrix.catalogue import Catalogue, Entry, classify
 from matrix.cell import Cell
+from matrix.cell_state import CellState
 from matrix.devices import DEVICES, poisoning_error
-from matrix.engines import ENGINES
+from matrix.engines import ENGINES, distributed
+from matrix.measurements import settle_garbage
 from matrix.models import MODELS
-from matrix.phases import PHASE_NAMES, CellState
+from matrix.pipeline import PHASE_NAMES
 from matrix.precisions import PRECISIONS, PolicyContradiction, validate
 from matrix.results.metrics import CellMetrics
 from matrix.results.records import CellRecord, known_failure_record
@@ -46,6 +49,7 @@ class CellResult:
     traceback: str | None = None
     duration_s: float = 0.0
     phases: dict[str, str] = field(default_factory=dict)  # phase -> passed | failed | not run
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds it took, as far as it got
     metrics: CellMetrics = field(default_factory=CellMetrics)
 
 
@@ -79,6 +83,7 @@ def run_cell(
     precision = PRECISIONS[cell.precision]
     if kind.variant.grad_accumulation is not None:
         precision = dataclasses.replace(precision, grad_accumulation=kind.variant.grad_accumulation)
+    engine = ENGINES[cell.engine]
     state = CellState(
         cell=cell,
         kind=kind,
@@ -86,13 +91,13 @@ def run_cell(
         device=DEVICES[cell.device].torch_device(device_index),
         workdir=workdir,
         metrics=CellMetrics(declared=precision.settings()),
+        engine=engine,
+        settings=engine.derive_or_refuse(precision),
         deadline=None if timeout_s is None else time.monotonic() + DEADLINE_SHARE * timeout_s,
     )
     if variant is not None:
         state.metrics.variant = kind.variant.only(kind.variant_fields)
-    engine = ENGINES[cell.engine]
     state.metrics.engine_settings = engine.settings(precision)
-    phases = engine.phases(cell.mode)
     names = PHASE_NAMES[cell.mode]
     result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
     result.phases = {name: "not run" for name in names}
@@ -105,30 +110,44 @@ def run_cell(
             except PolicyContradiction as exc:
                 _record_failure(result, "configure", exc)
                 return result
+    run_phase = distributed.run_phase if engine.distributed else pipeline.run_phase
+    settle_garbage()
     try:
         for name in names:
+            began = time.perf_counter()
             try:
-                phases[name](state)
-                if state.model is not None:  # an engine hands the model back where the cell runs it
-                    checks.check_placement(state.model, state.device, f"after {name}")
+                run_phase(state, name)
             except Exception as exc:  # recorded: signature, message and full traceback
                 failed = getattr(exc, "matrix_phase", None) or name
                 if failed not in names[names.index(name) :]:
-                    failed = name  # an engine's guess outside this mode's remaining phases
+                    failed = name  # a phase outside this mode's remaining ones
                 for earlier in names[names.index(name) : names.index(failed)]:
                     result.phases[earlier] = "passed"
                 _record_failure(result, failed, exc)
                 result.phases[failed] = "failed"
                 break
+            finally:
+                result.phase_seconds[name] = round(time.perf_counter() - began, 4)
             result.phases[name] = "passed"
     finally:
-        for hook in ("first_forward_watch", "first_training_forward_seed"):
-            watch = state.engine_state.pop(hook, None)
-            if watch is not None:
-                watch.remove()  # a cell whose hook never fired leaves no global hook behind
-        engine.cleanup(state)
+        _end(state)
     result.duration_s = round(time.perf_counter() - start, 4)
     return result
+
+
+def _end(state: CellState) -> None:
+    """Whatever the cell leaves behind goes: its hooks, its runs, the library's global state."""
+    state.hooks.remove()  # a cell whose hooks never fired leaves no global hook behind
+    engine = state.engine
+    if engine.distributed:
+        distributed.end_cell(state)
+        return
+    try:
+        for run in (state.run, state.restored):
+            if run is not None:
+                engine.close(state, run)
+    finally:
+        engine.cleanup(state)
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,7 @@ def run_and_record(
         traceback=result.traceback,
         known_failure=known_failure_record(entry) if entry else None,
         duration_s=result.duration_s,
+        phase_seconds=result.phase_seconds,
         metrics=result.metrics,
         **DEVICES[cell.device].placement(device_index),
         rerun=rerun,

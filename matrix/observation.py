@@ -244,7 +244,7 @@ def _loaded_otherwise(kind, workdir: Path, buffers: tuple[str, ...]) -> tuple[st
     if not buffers or not directory.exists():
         return ()
     try:
-        loaded = kind.load_weights(directory, torch.bfloat16, torch.device("cpu"))
+        loaded = kind.load_weights(directory, torch.bfloat16, measurement_device(kind))
     except NotImplementedError:  # a kind that reloads otherwise (peft: adapters over its base)
         return ()
     dtypes = {name: b.dtype for name, b in loaded.named_buffers()}
@@ -326,12 +326,28 @@ def _loss_item_rule(kind, model, batch) -> tuple[str, dict]:
     return "rows", {**evidence, "chosen": "rows: no rule reproduced the batch's loss"}
 
 
+def measurement_device(kind) -> torch.device:
+    """Where the harness observes and calibrates a kind, once per process: the CPU, unless the kind
+    cannot run there here (Liger's Triton kernels, where a GPU is visible and Triton's interpreter
+    is therefore off), then the first GPU. A kind that runs nowhere here is measured on the CPU:
+    its cells skip anyway."""
+    cpu = torch.device("cpu")
+    if kind.skip_reason("cpu") is None or not torch.cuda.is_available() or kind.skip_reason("cuda") is not None:
+        return cpu
+    return torch.device("cuda", 0)
+
+
+def generators_of(device: torch.device) -> list:
+    """The generators torch.random.fork_rng keeps for `device`, besides the CPU's."""
+    return [device] if device.type == "cuda" else []
+
+
 def _observe(kind) -> Observation:
     from matrix.precisions import PRECISIONS
 
-    cpu, fp32 = torch.device("cpu"), PRECISIONS["fp32"]
+    cpu, fp32 = measurement_device(kind), PRECISIONS["fp32"]
     try:
-        with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="matrix-observe-") as scratch:
+        with torch.random.fork_rng(devices=generators_of(cpu)), tempfile.TemporaryDirectory(prefix="matrix-observe-") as scratch:
             workdir = Path(scratch)
             model = kind.build(fp32, cpu, workdir)
             created_in_eval_mode = not model.training

@@ -13,7 +13,7 @@ import faulthandler
 import importlib
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -27,7 +27,7 @@ class RankContext:
     rank: int
     world_size: int
     device: str  # the device axis' name: cpu, cuda
-    values: dict = field(default_factory=dict)  # what a cell keeps between its calls
+    cell: object | None = None  # the cell this rank runs now (its CellState), kept between its phases
 
 
 def describe(exc: BaseException) -> dict:

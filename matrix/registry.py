@@ -37,8 +37,11 @@ class Registry(Mapping, Generic[T]):
     the `axis_position` its own class declares (a subclass of a built-in kind does not inherit
     its place), DEFAULT_POSITION if it declares none."""
 
-    def __init__(self, what: str, kind: type) -> None:
+    def __init__(self, what: str, kind: type, check=None) -> None:
         self.what, self.kind = what, kind
+        # check(item): raises a RegistrationError for an item that is of the right type but that
+        # the harness could not use (an engine whose runs it cannot see into)
+        self._check = check
         self._items: dict[str, T] = {}
         self._registered_in: dict[str, str] = {}
         # prefix -> factory(name) -> item: names made on demand (the model axis' hf:<model_type>)
@@ -52,6 +55,8 @@ class Registry(Mapping, Generic[T]):
         name = getattr(item, "name", None)
         if not isinstance(name, str) or not name:
             raise RegistrationError(f"{self.what}: {type(item).__name__} has no name")
+        if self._check is not None:
+            self._check(item)
         taken = self._items.get(name)
         if taken is not None and taken is not item:
             raise RegistrationError(

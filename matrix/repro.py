@@ -20,7 +20,9 @@ import torch
 from matrix.environment import package_versions
 from matrix.models import MODELS, ModelKind
 from matrix.packages import PINNED_IN_REPRO
-from matrix.phases import MAX_STEP_ATTEMPTS, PHASE_NAMES, TRAIN_STEPS, kind_learning_rate
+from matrix.kind_traits import kind_learning_rate
+from matrix.pipeline import PHASE_NAMES
+from matrix.schedule import MAX_STEP_ATTEMPTS, TRAIN_STEPS
 from matrix.precisions import PRECISIONS
 from matrix.results.metrics import CellMetrics
 from matrix.selection import cell_from_id

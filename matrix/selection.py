@@ -22,7 +22,7 @@ def model_traits(model: str, wanted: frozenset[str] | None = None) -> frozenset[
     the model, is established only when asked for (None: every trait)."""
     if model not in MODELS:
         return frozenset()
-    from matrix.phases import RATE_TRAIT, kind_traits  # builds the model once per process: torch
+    from matrix.kind_traits import RATE_TRAIT, kind_traits  # builds the model once per process: torch
 
     return kind_traits(MODELS[model], with_rate=wanted is None or RATE_TRAIT in wanted)
 

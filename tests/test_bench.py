@@ -37,7 +37,7 @@ def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
     # the floor imports what the run imported: torch and the matrix, none of the libraries that
     # only other models and engines need
     assert floor["modules_from_runs"] is True
-    assert floor["modules"] == ["torch", "matrix.plugin", "matrix.phases", "matrix.engines", "matrix.models"]
+    assert floor["modules"] == ["torch", "matrix.plugin", "matrix.pipeline", "matrix.engines", "matrix.models"]
     assert floor["import_walls_s"] == [floor["import_s"]] and floor["import_s"] > 0
     assert 0 < floor["compute_s"] < wall  # the cells' own time is part of the run's wall
     assert floor["floor_s"] == pytest.approx(floor["import_s"] + floor["compute_s"])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import checks, execute, phases, tolerances
+from matrix import checks, execute, kind_traits, tolerances
 from matrix.cell import Cell
 from matrix.models import MODELS
 from matrix.signatures import signature_of
@@ -99,7 +99,7 @@ def test_steps_a_grad_scaler_skipped_are_counted_and_the_fall_is_still_measured(
     two of the library's three optimizer steps skipped, so its recorded losses (each taken
     before a step) never move. Simulated on the CPU: AdamW computes the gradients (Lightning's
     closure) but applies no update for its first two calls, as GradScaler.step does on infs."""
-    phases.kind_learning_rate(MODELS["gemma-cache"])  # the rate's fp32 search steps AdamW too: before the patch
+    kind_traits.kind_learning_rate(MODELS["gemma-cache"])  # the rate's fp32 search steps AdamW too: before the patch
     skipped: dict[int, int] = {}  # optimizer -> steps skipped so far
     original = torch.optim.AdamW.step
 

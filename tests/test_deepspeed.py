@@ -9,14 +9,15 @@ import pytest
 
 from matrix.devices import DEVICES
 from matrix.engines import ENGINES, deepspeed_zero
+from matrix.libraries import deepspeed as ds
 from matrix.precisions import PRECISIONS
 
 STAGES = deepspeed_zero.STAGES
 ENGINE_NAMES = tuple(f"deepspeed-zero{stage}" for stage in STAGES)
 TRAINER_ENGINES = ("hf-trainer-zero2", "hf-trainer-zero3")  # the Trainer with a DeepSpeed config
 needs_deepspeed = pytest.mark.skipif(
-    deepspeed_zero.installed_version() is None,
-    reason=f"Requires: [deepspeed] (not installed: {deepspeed_zero.INSTALL_HINT})",
+    ds.installed_version() is None,
+    reason=f"Requires: [deepspeed] (not installed: {ds.INSTALL_HINT})",
 )
 
 
@@ -47,7 +48,7 @@ def test_accumulated_fp32_gradients_are_not_wired_in():
 
 
 def test_without_deepspeed_every_cell_skips_naming_it(monkeypatch):
-    monkeypatch.setattr(deepspeed_zero, "installed_version", lambda: None)
+    monkeypatch.setattr(ds, "installed_version", lambda: None)
     for name in ENGINE_NAMES:
         reason = ENGINES[name].device_skip_reason(DEVICES["cpu"])
         assert reason == "Requires: [deepspeed] (not installed: pip install '.[deepspeed]', or nox -s deepspeed)"
@@ -114,7 +115,7 @@ def test_each_stage_is_deepspeeds_own(grid, stage):
     expected_source = "get_fp32_state_dict_from_zero_checkpoint" if stage else "the module's trained weights"
     assert effective["plain_checkpoint_from"] == expected_source
     assert cell["metrics"]["reload_max_abs_difference"] == 0.0  # the plain checkpoint, from_pretrained
-    assert cell["metrics"]["dcp_reload_max_abs_difference"] == 0.0  # load_checkpoint into a fresh engine
+    assert cell["metrics"]["resume_reload_max_abs_difference"] == 0.0  # load_checkpoint into a fresh engine
 
 
 @needs_deepspeed
@@ -162,6 +163,6 @@ def test_the_trainer_trains_saves_and_resumes_through_deepspeed(trainer_grid):
         assert "global_step3" in cell["metrics"]["checkpoint_files"]  # DeepSpeed's own checkpoint in the Trainer's
         record = cell["metrics"]["resume"]
         assert record["optimizer_state_restored"] is True and record["tensors_differing"] == 0
-        assert record["random_numbers"].startswith("the Trainer's own")
+        assert record["random_numbers"].startswith("the library's own")
         # the first step's loss, rebuilt from the ranks' token-averaged losses, is the torch engine's
         assert cell["metrics"]["cross_engine"]["spread_abs"] < 2e-2

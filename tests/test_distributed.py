@@ -9,14 +9,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from matrix import rank_pool
 from matrix.cell import Cell
 from matrix.execute import run_cell
-from matrix.results.metrics import CellMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -276,7 +274,7 @@ def test_accelerate_fsdp2_keeps_fp32_master_weights_of_half_loaded_weights_and_s
     assert set(result.metrics.effective.trainable_parameter_dtypes) == {"bfloat16"}  # FSDP's param_dtype
     assert effective["fsdp_selected_by"].startswith("the matrix (accelerate leaves a cpu group")
     assert effective["mp_policy"]["param_dtype"] == "bfloat16"
-    assert result.metrics.dcp_reload_max_abs_difference == 0.0
+    assert result.metrics.resume_reload_max_abs_difference == 0.0  # load_state into a fresh Accelerator
     ranks, cross = result.metrics.distributed.rank_first_step_losses, result.metrics.cross_engine
     assert len(ranks) == 2 and ranks[0] != ranks[1]  # each rank saw other rows
     assert cross.spread_abs <= cross.tolerance.atol + cross.tolerance.rtol * abs(cross.torch_engine_first_step_loss)
@@ -288,19 +286,17 @@ def test_a_no_op_upcast_breaks_accelerates_declared_master_weights():
     import torch
 
     from matrix.checks import DtypeContractBroken
-    from matrix.engines.accelerate_fsdp2 import check_declared_dtypes
-
-    state = SimpleNamespace(metrics=CellMetrics(engine_settings={"mixed_precision": "bf16"}))
+    from matrix.engines.accelerate_fsdp2 import check_fp32_master_weights
 
     model = torch.nn.Linear(2, 2).to(torch.bfloat16)
     broken = r"trained parameters .*: weights are torch.bfloat16, not torch.float32"
     with pytest.raises(DtypeContractBroken, match=broken):
-        check_declared_dtypes(state, model, {}, "after prepare")
+        check_fp32_master_weights(model, "after prepare")
     model.float()
-    check_declared_dtypes(state, model, {}, "after prepare")
+    check_fp32_master_weights(model, "after prepare")
     model.weight.requires_grad_(False)
     model.weight.data = model.weight.data.to(torch.bfloat16)  # a frozen base weight keeps its dtype
-    check_declared_dtypes(state, model, {}, "after prepare")
+    check_fp32_master_weights(model, "after prepare")
 
 
 def test_an_optimizer_state_lost_or_changed_across_a_reload_is_named():

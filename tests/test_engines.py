@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState
 
 from matrix.cell import Cell
 from matrix.engines import ENGINES
-from matrix.engines.hf_trainer import _trainer_classes
+from matrix.libraries.trainer import trainer_classes
 from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
@@ -153,7 +153,13 @@ def test_with_dropout_the_first_step_agrees_with_the_torch_engine(model, engine,
     torch engine's yardstick, and the rows come in the same order: the losses are equal."""
     variant = MODELS[model].grid_variant.replace(dropout=DROPOUT)
     result = run_cell(Cell(model, "fp32", "train", "cpu", engine), tmp_path, variant=variant)
-    assert result.outcome == "passed", result.message
+    if engine == "lightning":
+        # Lightning's checkpoint carries no random state (lightning-checkpoint-carries-no-random-state):
+        # its resumed step draws other masks; everything before it holds
+        assert result.phase == "resumed_step" and result.signature.exc_type == "matrix.checks.ResumeDiverged"
+        assert [result.phases[p] for p in ("train_steps", "checkpoint_reload")] == ["passed", "passed"]
+    else:
+        assert result.outcome == "passed", result.message
     compared = result.metrics.cross_engine
     assert compared.spread_abs == 0.0 and compared.random_numbers.startswith("seeded with")
     torch_run = run_cell(Cell(model, "fp32", "train", "cpu", "torch"), tmp_path / "torch", variant=variant)
@@ -166,7 +172,7 @@ def test_an_engine_that_feeds_the_rows_in_another_order_fails_the_check_with_dro
 ):
     """A deliberately different engine: the Trainer fed the rows backwards. Without dropout the
     mean loss does not care; with dropout each row gets another row's masks, and the check says so."""
-    monkeypatch.setattr(_trainer_classes().RecordingTrainer, "_get_train_sampler", lambda self, *a, **k: [2, 1, 0])
+    monkeypatch.setattr(trainer_classes().RecordingTrainer, "_get_train_sampler", lambda self, *a, **k: [2, 1, 0])
     variant = MODELS["tiny-llama"].grid_variant.replace(dropout=dropout)
     result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", "hf-trainer"), tmp_path, variant=variant)
     assert result.outcome == outcome, result.message

@@ -243,7 +243,7 @@ def test_a_checkpoint_is_read_back_as_users_read_it_with_the_auto_class(tmp_path
 
 
 def test_bf16_stalls_count_only_the_weights_held_in_the_precision():
-    from matrix.phases import bf16_stalled_tensors
+    from matrix.kind_traits import bf16_stalled_tensors
 
     assert bf16_stalled_tensors(MODELS["lora"], 1e-4) == ()  # peft keeps its adapters in fp32
     stalled = bf16_stalled_tensors(MODELS["tiny-llama"], 1e-4)  # norm weights at 1.0: a 1e-4 step rounds away

@@ -1,11 +1,12 @@
 """A learning rate at which a kind learns is established, not assumed (matrix/learning_rate.py),
-and a precision's loss fall is judged against its fp32 twin's (phases.check_training_contract):
+and a precision's loss fall is judged against its fp32 twin's (pipeline.check_training_contract):
 a kind that does not learn in fp32 is one finding on its fp32 cells, not one per precision."""
 
 import pytest
 
 from matrix import learning_rate as lr
-from matrix import phases
+from matrix import kind_traits
+from matrix.cell_state import CellState
 from matrix.cell import Cell
 from matrix.execute import run_cell
 from matrix.models import MODELS
@@ -26,14 +27,14 @@ class CalibratedLlama(TinyLlama):
 
 
 def test_a_kind_that_sets_no_rate_gets_the_largest_candidate_it_learns_at_and_it_is_cached(fresh_rates, monkeypatch):
-    found = phases.kind_learning_rate(CalibratedLlama())
+    found = kind_traits.kind_learning_rate(CalibratedLlama())
     assert (found.value, found.source, found.cached) == (lr.CANDIDATES[0], "calibrated", False)
     assert found.fp32_learns and found.fp32_fall.relative > 0.1  # tiny-llama fell 24% in fp32
     assert [f.rate for f in found.tried] == [lr.CANDIDATES[0]]
     (written,) = (fresh_rates / "learning-rates").iterdir()
     assert written.name.startswith("calibrated-llama-")
     monkeypatch.setattr(lr, "_RATES", {})  # a new process: read from disk, not measured again
-    again = phases.kind_learning_rate(CalibratedLlama())
+    again = kind_traits.kind_learning_rate(CalibratedLlama())
     assert again.cached and again.value == found.value and again.fp32_fall == found.fp32_fall
 
 
@@ -47,7 +48,7 @@ class FlatLossLlama(TinyLlama):
 
 
 def test_a_kind_that_learns_at_no_candidate_keeps_the_largest_and_says_fp32_does_not_learn(fresh_rates):
-    found = phases.kind_learning_rate(FlatLossLlama())
+    found = kind_traits.kind_learning_rate(FlatLossLlama())
     assert [f.rate for f in found.tried] == list(lr.CANDIDATES)
     assert found.value == lr.CANDIDATES[0] and not found.fp32_learns
     assert found.as_dict()["fp32_learns"] is False
@@ -79,14 +80,14 @@ def test_a_precision_that_learns_less_than_its_fp32_twin_fails(monkeypatch, tmp_
     """The precision's engine trains at a rate too small to move the loss while its fp32 twin
     learned at the kind's rate: every other check holds (the weights change, stay finite, keep
     their dtypes), the fall against the twin does not."""
-    monkeypatch.setattr(phases.CellState, "learning_rate", property(lambda self: 1e-6))
+    monkeypatch.setattr(CellState, "learning_rate", property(lambda self: 1e-6))
     result = run_cell(Cell("tiny-llama", "bf16-mixed", "train", "cpu", "torch"), tmp_path)
     assert result.outcome == "failed" and result.phase == "train_steps"
     assert result.signature.exc_type == "matrix.checks.LossNotDecreasing"
     assert "fell less than its fp32 twin's bound" in result.signature.text
     assert result.metrics.train_losses[0] > result.metrics.train_losses[-1]  # it fell, a little
     fall = result.metrics.loss_decrease
-    twin = phases.kind_learning_rate(MODELS["tiny-llama"]).fp32_fall.relative
+    twin = kind_traits.kind_learning_rate(MODELS["tiny-llama"]).fp32_fall.relative
     assert fall.bound_relative == pytest.approx(LOSS_FALL_VS_FP32 * twin)
     assert 0 < fall.relative < fall.bound_relative
     assert "fp32 twin" in fall.judged_by

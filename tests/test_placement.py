@@ -15,7 +15,8 @@ from matrix import checks
 from matrix.cell import Cell
 from matrix.execute import run_cell
 from matrix.models import MODELS
-from matrix.phases import CellState, return_from_library_device
+from matrix.cell_state import CellState
+from matrix.measurements import return_from_library_device
 from matrix.precisions import PRECISIONS
 from matrix.results.metrics import CellMetrics
 
@@ -46,8 +47,9 @@ def teardown_moves_the_model_to_meta(monkeypatch):
     monkeypatch.setattr(Strategy, "teardown", teardown)
 
 
+# fit() runs the whole schedule, the uninterrupted step k+1 included: its teardown is met there
 @pytest.mark.parametrize(
-    ("mode", "phase", "library_call"), [("train", "train_steps", "fit"), ("eval", "evaluate", "validate")]
+    ("mode", "phase", "library_call"), [("train", "resumed_step", "fit"), ("eval", "evaluate", "validate")]
 )
 def test_a_library_that_moves_the_model_away_fails_the_cell_with_a_placement_signature(
     teardown_moves_the_model_to_meta, tmp_path, mode, phase, library_call

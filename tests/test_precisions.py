@@ -5,7 +5,8 @@ import torch
 
 from matrix.cell import Cell
 from matrix.models import MODELS
-from matrix.phases import CellState, effective_settings
+from matrix.cell_state import CellState
+from matrix.measurements import effective_settings
 from matrix.precisions import PRECISIONS
 
 EXPECTED = {  # name: (weights, autocast, scaler) -- the definitions
@@ -59,8 +60,8 @@ def test_table_defines_each_precision(name):
 def test_effective_settings_are_measured_not_copied(name, model, tmp_path):
     precision = PRECISIONS[name]
     state = CellState(Cell(model, name, "train", "cpu"), MODELS[model], precision, torch.device("cpu"), tmp_path, {})
-    state.model = state.kind.build(precision, state.device, tmp_path)
-    effective = effective_settings(state)
+    model = state.kind.build(precision, state.device, tmp_path)
+    effective = effective_settings(state, model)
     weights = str(precision.weights_dtype).removeprefix("torch.")
     assert weights in effective.parameter_dtypes
     assert effective.autocast_dtype == (
@@ -70,7 +71,7 @@ def test_effective_settings_are_measured_not_copied(name, model, tmp_path):
     if model == "lora" and weights != "float32":
         # peft keeps the adapters in fp32 over a half-precision base: recorded, not hidden
         assert effective.trainable_parameter_dtypes == {
-            "float32": sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+            "float32": sum(p.numel() for p in model.parameters() if p.requires_grad)
         }
 
 

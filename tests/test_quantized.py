@@ -128,7 +128,7 @@ def test_the_storage_check_passes_what_from_pretrained_quantized_and_catches_wha
 
 @needs_bitsandbytes
 def test_the_expected_dtypes_of_a_prepared_quantized_base(tmp_path):
-    from matrix.phases import CellState
+    from matrix.cell_state import CellState
     from matrix.results.metrics import CellMetrics
 
     for name, storage in (("nf4-bf16-mixed", torch.uint8), ("int8-fp16-mixed", torch.int8)):

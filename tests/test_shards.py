@@ -61,7 +61,7 @@ def results(directory: Path) -> dict:
 
 def comparable(document: dict) -> dict:
     """Everything a grid shows; durations differ from run to run, nothing else may."""
-    cells = [{k: v for k, v in c.items() if k != "duration_s"} for c in document["cells"]]
+    cells = [{k: v for k, v in c.items() if k not in ("duration_s", "phase_seconds")} for c in document["cells"]]
     return {
         "cells": cells,
         "counts": document["counts"],

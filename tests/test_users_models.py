@@ -22,8 +22,13 @@ def gpt2_grid(users_grid, tmp_path_factory):
 def test_a_users_gpt2_runs_the_whole_cpu_matrix_with_no_failure_of_the_harness(gpt2_grid):
     passed = [i for i, c in gpt2_grid.items() if c["outcome"] == "passed"]
     assert len(passed) >= 70, passed
-    for engine in ("torch", "accelerate", "lightning", "ddp", "fsdp2", "accelerate-fsdp2"):
+    for engine in ("torch", "accelerate", "ddp", "fsdp2", "accelerate-fsdp2"):
         assert gpt2_grid[f"user-gpt2-bf16-mixed-train-cpu-{engine}"]["outcome"] == "passed", engine
+    # Lightning's checkpoint carries no random state: with the GPT-2's dropout its resumed step draws
+    # other masks than the run it interrupted (catalogued); everything before the resumed step passes
+    lightning = gpt2_grid["user-gpt2-bf16-mixed-train-cpu-lightning"]
+    assert lightning["outcome"] == "known" and lightning["phase"] == "resumed_step"
+    assert lightning["known_failure"]["id"] == "lightning-checkpoint-carries-no-random-state"
 
 
 def test_what_was_observed_about_it_is_in_every_record(gpt2_grid):

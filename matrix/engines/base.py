@@ -1,19 +1,66 @@
-"""What an engine is: a class with one method per phase (matrix/phases.py PHASE_NAMES), the
-settings it derives from a precision in its library's own terms, and the clean-up of
-whatever global state that library keeps.
+"""What an engine is: what one training library does to a cell, in the library's own terms.
 
-A new engine is one file in matrix/engines/ that subclasses Engine and calls register()
-(plus its library in pyproject.toml); a user's engine registers from their plugin.
+The harness owns a cell's pipeline and makes every check (matrix/pipeline.py): it builds the
+model, has it trained k steps, evaluated mid-training, saved, reloaded (the kind's plain load of
+an export, and the engine's own resume path), takes step k+1 on the resumed run and on the
+uninterrupted one, and checks each step. An engine supplies what its library does:
+
+    start(state, model, training) -> run     prepare model, optimizer and grad scaler
+                                             (wrap, shard, deepspeed.initialize, prepare, a Trainer)
+    train(state, run, steps) -> Steps        take optimizer steps, or run the library's own loop
+    evaluate(state, run) -> EvalOutput       evaluate the whole batch as the library does
+    save(state, run, directory)              write the library's own checkpoint
+    restore(state, directory, training) -> run   resume from it, as a new process would
+
+and how the harness sees a run (the defaults read the run's `model`, `optimizer` and `scaler`
+fields; an engine whose run has other ones says how):
+
+    weights(state, run)          a module holding the trained weights, whole (gathered if sharded)
+    master_weights(state, run)   fp32 master weights the optimizer steps, where the parameters are not
+    optimizer_state(state, run)  the optimizer's state tensors (this process's shards)
+    scaler_state(state, run)     the loss scaler's state, None without one
+    export(state, run, directory, checkpoint)  the weights as a model the kind's own loader reads
+    exported(state, run)         a plain model of what that export must read back as
+    check_declared(state, run, when) the weight dtypes the library declares it holds
+    dtype_changes(state, run)    the dtypes its library declares it sets once training begins
+
+A run is the engine's own small typed object (a dataclass), whatever its library needs kept
+between the calls. A view the harness cannot get, because the engine neither defines it nor has
+a run with the field its default reads, is an error when the engine registers (EngineIncomplete),
+never a check that silently passes.
+
+Two bases cover the two shapes of training loop:
+- Loop: a hand-written loop, or a thin wrapper's (accelerate, DDP, FSDP2, DeepSpeed's engine):
+  it supplies step(state, run), one optimizer step attempt; the harness takes the steps.
+- LibraryLoop: a loop the library owns (Trainer.train(), Lightning's fit()): the library runs
+  the harness's schedule in one call (matrix/schedule.py), and the engine's callbacks record what
+  it held after step k; the harness asks for it as if the run had paused there.
+
+A distributed engine (matrix/engines/distributed.py) is the same, run in every rank.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from matrix.phases import PHASE_NAMES, CellState
+import torch
+
+from matrix import checks
+from matrix.measurements import (
+    dropout_off_rows_loss,
+    evaluate_rows,
+    model_holding,
+    same_weights_copy,
+    take_steps,
+    train_step,
+)
+from matrix.models.base import EvalOutput
 from matrix.precisions import Precision, dtype_name
-from matrix.registry import Registry
+from matrix.registry import RegistrationError, Registry
+from matrix.schedule import SCHEDULE
 
 
 @dataclass(frozen=True)
@@ -23,44 +70,82 @@ class Unsupported:
     reason: str
 
 
-def run_tagged(call, tracker):
-    """Run a library call that spans several phases (Trainer.train(), Lightning's fit()); an
-    exception is tagged with the phase the tracker last saw, so run_cell records that phase."""
-    try:
-        return call()
-    except Exception as exc:
-        exc.matrix_phase = tracker.phase
-        raise
+@dataclass
+class Steps:
+    """What train() ran: every attempt's loss over the whole batch, in order (a hand-written loop
+    retries a step its grad scaler skipped), and how many optimizer steps were applied."""
+
+    losses: list[float]
+    applied: int
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a precision is called in an engine's library, typed. as_dict() is the record's
+    `engine_settings`: every field that is not None, and a field declared with always() even so."""
+
+    def as_dict(self) -> dict:
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None or f.metadata.get("recorded") == "always"
+        }
+
+
+def always(default=None):
+    """A settings field the record writes even when it is None."""
+    return field(default=default, metadata={"recorded": "always"})
+
+
+class EngineIncomplete(RegistrationError):
+    """An engine the harness cannot see into: a view it needs has no definition."""
+
+
+def reads(*fields: str):
+    """Mark a default view as reading these fields of the engine's run: an engine that keeps the
+    default needs a Run with them (Engine.incomplete)."""
+
+    def mark(function):
+        function.reads_run = fields
+        return function
+
+    return mark
 
 
 class Engine(abc.ABC):
-    """One value of the engine axis. Subclasses define a method per phase name (train_steps,
-    mid_training_eval, checkpoint_save, checkpoint_reload, resumed_step; evaluate), each taking
-    the cell's CellState, and derive_settings()."""
+    """One value of the engine axis: what its library does to a cell, and how the harness sees it."""
 
     name: str
     axis_position: int  # place in the axis' order (a user's engine: after the built-in ones)
     description: str
+    # The engine's run: a dataclass holding what its library keeps between calls. The default
+    # views read its `model`, `optimizer` and `scaler`.
+    Run: type | None = None
     # Variant fields (matrix/variants.py) the engine does not implement: exploration keeps
     # them at the grid's value for this engine. Micro-batch accumulation is wired only where
     # an engine says so.
     fixed_variant_fields: tuple[str, ...] = ("grad_accumulation",)
     distributed = False  # True: the engine runs on several ranks and reduces gradients across them
+    # True: the library owns the loop and runs a fixed number of steps, skipped by its grad
+    # scaler or not (the harness then checks that it ran as many as it was asked)
+    owns_loop = False
+    # How step k+1 of the resumed run and of the uninterrupted one get the same random numbers:
+    # None: the harness seeds both alike (a loop whose steps it takes); else the library's own
+    # way, in words (a library that restores its random state from its checkpoint)
+    resume_random_numbers: str | None = None
+    # True: the model's forward, as the library holds it, brings its own autocast (accelerate's
+    # prepared forward) or none is wanted (DeepSpeed casts the module): the harness adds none
+    forward_autocasts = False
 
-    def phases(self, mode: str) -> dict:
-        """Phase name -> bound method, for every phase of the mode."""
-        missing = [name for name in PHASE_NAMES[mode] if not callable(getattr(self, name, None))]
-        if missing:
-            raise TypeError(f"engine {self.name!r} has no method for the {mode} phase(s) {', '.join(missing)}")
-        return {name: getattr(self, name) for name in PHASE_NAMES[mode]}
+    # ---------------------------------------------------------------- settings
 
     @abc.abstractmethod
-    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+    def derive_settings(self, precision: Precision) -> EngineSettings | Unsupported:
         """What `precision` (its autocast dtype, grad scaler, weights dtype, gradient dtype and
         accumulation) is called in this engine's library, or Unsupported(reason). The weights
-        dtype itself is set by the cell in every engine (Precision.weights_from)."""
+        dtype itself is set by the harness's build in every engine (Precision.weights_from)."""
 
-    def derive_or_refuse(self, precision: Precision) -> dict | Unsupported:
+    def derive_or_refuse(self, precision: Precision) -> EngineSettings | Unsupported:
         if precision.reduce_dtype is not None and not self.distributed:
             return Unsupported(
                 f"Requires: [gradients reduced across ranks, in {dtype_name(precision.reduce_dtype)}] "
@@ -69,8 +154,9 @@ class Engine(abc.ABC):
         return self.derive_settings(precision)
 
     def settings(self, precision: Precision) -> dict:
+        """The record's engine_settings: the typed settings as a dict, or why there are none."""
         derived = self.derive_or_refuse(precision)
-        return {"unsupported": derived.reason} if isinstance(derived, Unsupported) else derived
+        return {"unsupported": derived.reason} if isinstance(derived, Unsupported) else derived.as_dict()
 
     def unsupported_reason(self, precision: Precision) -> str | None:
         derived = self.derive_or_refuse(precision)
@@ -89,12 +175,126 @@ class Engine(abc.ABC):
         """Why this engine cannot drive a model kind ("Requires: [...] (...)"), or None."""
         return None
 
-    def cleanup(self, state: CellState) -> None:
-        """Reset the library's global state after a cell (the torch engine keeps none)."""
+    # ---------------------------------------------------------------- what the library does
+
+    @abc.abstractmethod
+    def start(self, state, model: torch.nn.Module, training: bool):
+        """The library takes the model the harness built (in the precision's weights dtype, on
+        the cell's device): wrap, shard, initialize; an optimizer and grad scaler where
+        `training`. Returns the run."""
+
+    @abc.abstractmethod
+    def train(self, state, run, steps: int) -> Steps:
+        """Take `steps` optimizer steps on the cell's batch (a loop the library owns: run them)."""
+
+    @abc.abstractmethod
+    def evaluate(self, state, run) -> EvalOutput:
+        """Evaluate the whole batch as the library evaluates (its wrapper, its autocast)."""
+
+    @abc.abstractmethod
+    def save(self, state, run, directory: Path) -> None:
+        """Write the library's own checkpoint of the run into `directory` (every process calls it)."""
+
+    @abc.abstractmethod
+    def restore(self, state, directory: Path, training: bool):
+        """A new run from the checkpoint save() wrote, as a new process resuming would make it:
+        a fresh model, the library's own loading (model, optimizer, scaler). Returns the run."""
+
+    # ---------------------------------------------------------------- how the harness sees a run
+
+    @reads("model")
+    def module(self, state, run) -> torch.nn.Module:
+        """The module the library calls forward on (its wrapper)."""
+        return run.model
+
+    @reads("model")
+    def weights(self, state, run) -> torch.nn.Module:
+        """A module holding the run's weights, whole, in the dtypes the run holds them."""
+        return run.model
+
+    def master_weights(self, state, run) -> dict[str, torch.Tensor]:
+        """The fp32 master weights the optimizer steps where they are not the parameters, by
+        name; none by default."""
+        return {}
+
+    @reads("optimizer")
+    def optimizer_state(self, state, run) -> dict[str, torch.Tensor]:
+        """The optimizer's state tensors, named (this process's own shards)."""
+        return {} if run.optimizer is None else checks.optimizer_state(run.optimizer)
+
+    @reads("scaler")
+    def scaler_state(self, state, run) -> dict | None:
+        """The loss scaler's state, None without one."""
+        return None if run.scaler is None else run.scaler.state_dict()
+
+    def export(self, state, run, directory: Path, checkpoint: Path) -> Path:
+        """Save the weights as users of the library save a model for the kind's own loader into
+        `directory`; returns the directory the kind's load() reads (an engine whose own
+        checkpoint, in `checkpoint`, is such a model returns that). Called in every process of
+        the cell; the one that writes for the group (state.group.writes) writes."""
+        weights = self.weights(state, run)  # in every rank: gathering sharded weights is a collective
+        if state.group.writes:
+            directory.mkdir(parents=True, exist_ok=True)
+            state.kind.save(weights, directory)
+        return directory
+
+    def exported(self, state, run) -> torch.nn.Module:
+        """A plain model of the kind holding what export() must read back as (no library wrapper
+        around its forward)."""
+        return self.weights(state, run)
+
+    def check_declared(self, state, run, when: str) -> None:
+        """The weight dtypes the library declares it holds: the precision's, by default."""
+        weights = self.weights(state, run)
+        checks.check_dtypes(state.kind.precision_weights(weights), state.expected_dtypes(weights), when)
+
+    def dtype_changes(self, state, run) -> dict[str, torch.dtype]:
+        """Tensors whose dtype the library declares it changes once training begins, after
+        start() (a library that prepares the model inside its own loop: DeepSpeed under the
+        Trainer casts the module to its half dtype): 'parameter NAME' / 'buffer NAME' -> the
+        dtype. None by default: every dtype after training must be the one after start()."""
+        return {}
+
+    def dropout_off_loss(self, state, run) -> float:
+        """The whole batch's training loss through the run's model with dropout off (eval mode),
+        before any step: what a distributed engine's first step is compared by where the
+        kind's training forward draws random numbers (each rank draws masks for its own rows)."""
+        return dropout_off_rows_loss(state, self.module(state, run), autocast=not self.forward_autocasts)
+
+    def close(self, state, run) -> None:
+        """Release what a run holds beyond the process's memory (DeepSpeed's engines)."""
         return None
 
+    def cleanup(self, state) -> None:
+        """Reset the library's process-wide state after a cell (the torch engine keeps none)."""
+        return None
 
-ENGINES: Registry[Engine] = Registry("engine", Engine)
+    # ---------------------------------------------------------------- registration
+
+    def incomplete(self) -> list[str]:
+        """What the harness cannot see in this engine: each default view it keeps that reads a
+        field its Run does not have."""
+        run = self.Run
+        fields = {f.name for f in dataclasses.fields(run)} if dataclasses.is_dataclass(run) else set()
+        found = []
+        for name in sorted(dir(type(self))):
+            needs = getattr(getattr(type(self), name, None), "reads_run", None)
+            missing = [f for f in needs or () if f not in fields]
+            if missing:
+                what = f"its Run ({getattr(run, '__name__', run)}) has no `{missing[0]}` field"
+                found.append(f"{name}(): {what} and the engine does not define {name}()")
+        return found
+
+
+def check_complete(engine: Engine) -> None:
+    problems = engine.incomplete()
+    if problems:
+        raise EngineIncomplete(
+            f"engine {engine.name!r}: the harness cannot see into its runs: " + "; ".join(problems)
+        )
+
+
+ENGINES: Registry[Engine] = Registry("engine", Engine, check=check_complete)
 register = ENGINES.register
 
 
@@ -102,8 +302,6 @@ def one_switch_unsupported(engine: str, what: str, precision: Precision) -> Unsu
     """Why an engine whose library takes one mixed-precision switch (accelerate, the Trainer,
     Lightning) cannot be told `precision`, or None. Such a library keeps gradients in the
     weights' dtype, steps once per micro-batch, and ties the grad scaler to fp16 autocast."""
-    import torch
-
     if precision.grad_dtype is not None:
         return Unsupported(f"Requires: [{what} for gradients in another dtype than the weights]")
     if precision.grad_accumulation > 1:
@@ -113,3 +311,230 @@ def one_switch_unsupported(engine: str, what: str, precision: Precision) -> Unsu
         autocast = dtype_name(precision.autocast_dtype) if precision.autocast_dtype else "no"
         return Unsupported(f"Requires: [{what} for {autocast} autocast {has} a grad scaler]")
     return None
+
+
+# ---------------------------------------------------------------- hand-written loops
+
+
+@dataclass
+class LoopRun:
+    """A hand-written loop's run: the module it calls, its optimizer and grad scaler."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: torch.amp.GradScaler | None = None
+
+
+class Loop(Engine):
+    """A hand-written loop, or a thin wrapper's: the harness takes its optimizer steps one at a
+    time, retrying one the grad scaler skipped, until as many as asked are applied; evaluation
+    is the harness's own through the run's module (each rank on its rows, gathered)."""
+
+    Run = LoopRun
+
+    @reads("model", "optimizer", "scaler")
+    def step(self, state, run) -> tuple[float, bool]:
+        """One optimizer step attempt on the cell's batch: (the whole batch's mean loss, applied).
+        By default the precisions' own definition: autocast around the forward, the grad scaler
+        around backward and step (measurements.train_step)."""
+        return train_step(state, self.module(state, run), run.optimizer, run.scaler)
+
+    def train(self, state, run, steps: int) -> Steps:
+        self.module(state, run).train()  # an evaluation left it in eval mode
+        losses, skipped = take_steps(lambda: self.step(state, run), steps)
+        return Steps(losses, len(losses) - skipped)
+
+    def evaluate(self, state, run) -> EvalOutput:
+        return evaluate_rows(state, self.module(state, run), autocast=not self.forward_autocasts)
+
+
+# ---------------------------------------------------------------- loops a library owns
+
+
+def clone_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies, one per tensor: names that share a tensor (tied weights) share the copy."""
+    copies: dict[int, torch.Tensor] = {}
+    return {name: copies.setdefault(id(t), t.detach().clone()) for name, t in tensors.items()}
+
+
+@dataclass
+class Held:
+    """What a library-owned loop held at one point of its run (after step k; or as a resumed run
+    began): its weights, optimizer and scaler state, master weights, and its evaluation there."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer_state: dict[str, torch.Tensor]
+    scaler_state: dict | None
+    master_weights: dict[str, torch.Tensor]
+    evaluation: EvalOutput | None = None
+
+
+@dataclass
+class LoopProgress:
+    """A library-owned loop's training run as its callbacks recorded it. The loop runs once, when
+    the harness first asks for a result of it; the harness then gets each part in its own phase:
+    the first k losses and what was held after step k, the evaluation, the checkpoint, step k+1.
+    A library error is raised where the harness asks for what the error prevented, tagged with
+    the phase the library was in (execute.run_cell records that phase)."""
+
+    phase: str  # the harness phase the library is in now (its callbacks advance it)
+    resumed: bool = False  # a run resumed from a checkpoint: it pauses as it begins, not after step k
+    losses: list[float] = field(default_factory=list)
+    applied_after: list[int] = field(default_factory=list)  # optimizer steps applied after each step
+    applied_before: int = 0  # applied before the loop's first step (a resumed run: the checkpoint's)
+    held: Held | None = None  # after step k (a first run), or as a resumed run began
+    evaluation: EvalOutput | None = None  # the library's evaluation after step k
+    error: BaseException | None = None
+    ran: bool = False
+    handed: int = 0  # steps handed to the harness so far
+    weights_model: torch.nn.Module | None = None  # held.weights as a module, made once
+
+    @property
+    def paused(self) -> bool:
+        """Whether the harness sees the run where the loop held it: the steps handed end there
+        (a first run after step k; a resumed run before its first step)."""
+        return self.held is not None and self.handed == (0 if self.resumed else SCHEDULE.steps)
+
+
+class LibraryLoop(Engine):
+    """A loop the library owns. A training run's `progress` is a LoopProgress; the engine's
+    run_loop(state, run) runs the loop (the whole schedule for a first run, to its end for a
+    resumed one), its callbacks calling hold() after step k (a resumed run: as it begins) and
+    step_ended() after each step, and setting progress.evaluation to the library's evaluation.
+    The harness reads the run as if it had paused after step k. An evaluation cell's run has no
+    progress: its views are the live ones."""
+
+    owns_loop = True
+    resume_random_numbers = "the library's own: the checkpoint's random states, restored on resume"
+
+    @abc.abstractmethod
+    def run_loop(self, state, run) -> None:
+        """Run the library's loop for this training run (its progress: run.progress)."""
+
+    @abc.abstractmethod
+    def evaluate_live(self, state, run) -> EvalOutput:
+        """Evaluate an evaluation cell's run through the library."""
+
+    @abc.abstractmethod
+    def live_weights(self, state, run) -> torch.nn.Module: ...
+
+    @abc.abstractmethod
+    def live_optimizer_state(self, state, run) -> dict[str, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def live_scaler_state(self, state, run) -> dict | None: ...
+
+    def live_master_weights(self, state, run) -> dict[str, torch.Tensor]:
+        return {}
+
+    def live_evaluation(self, state, run) -> EvalOutput | None:
+        """The evaluation a resumed run holds as it begins, through the library's model."""
+        return None
+
+    def live_applied(self, state, run) -> int:
+        """Optimizer steps applied so far, from the optimizer's own step counts."""
+        return 0
+
+    # -- the callbacks' side
+
+    def hold(self, state, run) -> None:
+        """Record what the loop holds now (after step k; a resumed run as it begins, with its
+        evaluation there)."""
+        from matrix.quantization import float_tensors
+
+        weights = self.live_weights(state, run)
+        held = weights.state_dict() if state.precision.quantization is None else float_tensors(weights)
+        if run.progress.resumed:  # the steps it applies count from the checkpoint's
+            run.progress.applied_before = self.live_applied(state, run)
+        run.progress.held = Held(
+            weights=clone_tensors(held),
+            optimizer_state=self.live_optimizer_state(state, run),
+            scaler_state=self.live_scaler_state(state, run),
+            master_weights=self.live_master_weights(state, run),
+            evaluation=self.live_evaluation(state, run) if run.progress.resumed else None,
+        )
+
+    def step_ended(self, state, run, loss: float) -> None:
+        progress = run.progress
+        progress.losses.append(loss)
+        progress.applied_after.append(self.live_applied(state, run))
+
+    # -- the harness's side
+
+    @reads("progress")
+    def ran(self, state, run) -> LoopProgress:
+        """The run's progress, its loop run first if it has not run yet."""
+        progress = run.progress
+        if not progress.ran:
+            progress.ran = True
+            try:
+                self.run_loop(state, run)
+            except Exception as exc:  # raised where the harness asks for what it prevented
+                exc.matrix_phase = progress.phase
+                progress.error = exc
+        return progress
+
+    @staticmethod
+    def fail(progress: LoopProgress, missing: str):
+        if progress.error is not None:
+            raise progress.error
+        raise checks.CheckFailure(missing)
+
+    def train(self, state, run, steps: int) -> Steps:
+        """The next `steps` steps the loop ran; a resumed run hands all it ran, which the harness
+        checks is the one step left (a loop that restarted from the beginning runs more)."""
+        progress = self.ran(state, run)
+        start, end = progress.handed, progress.handed + steps
+        if len(progress.losses) < end:
+            self.fail(progress, f"the library's loop ran {len(progress.losses) - start} of the {steps} steps asked for")
+        if progress.resumed:
+            end = len(progress.losses)
+        progress.handed = end
+        if progress.error is not None and (progress.resumed or end >= SCHEDULE.total):
+            raise progress.error  # after its last step: the library failed as its loop ended
+        before = progress.applied_after[start - 1] if start else progress.applied_before
+        return Steps(progress.losses[start:end], progress.applied_after[end - 1] - before)
+
+    def evaluate(self, state, run) -> EvalOutput:
+        if run.progress is None:
+            return self.evaluate_live(state, run)
+        progress = self.ran(state, run)
+        evaluation = None
+        if progress.paused:
+            evaluation = progress.held.evaluation if progress.resumed else progress.evaluation
+        if evaluation is None:
+            self.fail(progress, "the library ran no evaluation on its schedule")
+        return evaluation
+
+    def _held(self, run) -> Held | None:
+        """What the views read while the run is seen paused; None: the live objects. Views never
+        start the loop: before it ran, the live objects are the run's state."""
+        progress = run.progress
+        return progress.held if progress is not None and progress.paused else None
+
+    @reads("progress")
+    def weights(self, state, run) -> torch.nn.Module:
+        held = self._held(run)
+        if held is None:
+            return self.live_weights(state, run)
+        if run.progress.weights_model is None:
+            run.progress.weights_model = model_holding(state, held.weights)
+        return run.progress.weights_model
+
+    @reads("progress")
+    def optimizer_state(self, state, run) -> dict[str, torch.Tensor]:
+        held = self._held(run)
+        return self.live_optimizer_state(state, run) if held is None else held.optimizer_state
+
+    @reads("progress")
+    def scaler_state(self, state, run) -> dict | None:
+        held = self._held(run)
+        return self.live_scaler_state(state, run) if held is None else held.scaler_state
+
+    @reads("progress")
+    def master_weights(self, state, run) -> dict[str, torch.Tensor]:
+        held = self._held(run)
+        return self.live_master_weights(state, run) if held is None else held.master_weights
+
+    def exported(self, state, run) -> torch.nn.Module:
+        return same_weights_copy(state, self.weights(state, run))

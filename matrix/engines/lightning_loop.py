@@ -1,9 +1,11 @@
-"""The lightning engine: a Lightning Trainer(precision=...) with a validation loop, a
-ModelCheckpoint save and a resume from it (ckpt_path).
+"""The lightning engine: a Lightning Trainer(precision=...) whose fit() runs the harness's schedule
+with a validation loop and a ModelCheckpoint save after step k, and a resume from that checkpoint
+(ckpt_path).
 
 Lightning chooses a precision plugin from the precision string and may change it on its own
 (16-mixed becomes bf16-mixed on a CPU); the cell records the plugin's effective precision.
-Trainer.fit() runs several phases in one call; a callback follows which one it is in.
+fit() owns its loop: a callback records what the harness asks for after step k
+(matrix/engines/base.py LibraryLoop).
 """
 
 from __future__ import annotations
@@ -11,26 +13,40 @@ from __future__ import annotations
 import functools
 import logging
 import types
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from matrix import checks, resume
-from matrix.engines.base import Engine, Unsupported, one_switch_unsupported, register, run_tagged
-from matrix.phases import (
-    TRAIN_STEPS,
-    CellState,
-    check_against_fp32,
-    check_agrees_with_torch_engine,
-    check_reload,
-    check_resumed_one_step,
-    check_training_contract,
-    fresh_model,
-    record_library_steps,
-    return_from_library_device,
-    seed_first_training_forward,
-    snapshot_trainable,
+from matrix import checks
+from matrix.engines.base import (
+    EngineSettings,
+    LibraryLoop,
+    LoopProgress,
+    Unsupported,
+    one_switch_unsupported,
+    register,
 )
+from matrix.measurements import fresh_model, generators_kept, model_holding, return_from_library_device
 from matrix.precisions import Precision
+from matrix.schedule import SCHEDULE
+
+CHECKPOINT_FILE = "checkpoint.ckpt"
+# Lightning's Strategy.teardown() ends fit() and validate() with lightning_module.cpu()
+TEARDOWN_DEVICE = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class LightningSettings(EngineSettings):
+    precision: str = "32-true"  # Lightning's precision string
+
+
+@dataclass
+class LightningRun:
+    trainer: object  # lightning.Trainer
+    module: object  # the CellModule (a LightningModule) around the cell's model
+    progress: LoopProgress | None = None  # a training run's; None: an evaluation cell's
+    resume_from: Path | None = None  # the checkpoint file a resumed fit starts from
 
 
 @functools.cache
@@ -47,7 +63,7 @@ def _lightning() -> types.SimpleNamespace:
     class CellModule(L.LightningModule):
         """The cell's model, loss and evaluation, as a LightningModule."""
 
-        def __init__(self, state: CellState, model: torch.nn.Module) -> None:
+        def __init__(self, state, model: torch.nn.Module) -> None:
             super().__init__()
             self.model = model
             self.cell_state = state
@@ -66,209 +82,174 @@ def _lightning() -> types.SimpleNamespace:
         def configure_optimizers(self):
             return self.cell_state.new_optimizer(self.model)
 
-    class PhaseTracker(Callback):
-        def __init__(self, first_phase: str) -> None:
-            self.first_phase = self.phase = first_phase
-            self.optimizer_at_start = None  # the optimizer's state as fit() set it up (resumed: loaded)
-            self.scaler_state_at_start = None
+    class Following(Callback):
+        """Follows fit() for the harness."""
+
+        def __init__(self, engine, state, run) -> None:
+            self.engine, self.state, self.run = engine, state, run
 
         def on_train_start(self, trainer, pl_module):
-            # after fit() restored the checkpoint's optimizer and precision plugin state
-            self.optimizer_at_start = checks.optimizer_state(trainer.optimizers[0])
-            self.scaler_state_at_start = resume.scaler_state(getattr(trainer.precision_plugin, "scaler", None))
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.phase = self.first_phase
+            progress = self.run.progress
+            if progress is not None and progress.resumed:
+                # fit() has restored the checkpoint's weights, optimizer and precision plugin state
+                self.engine.hold(self.state, self.run)
+                progress.phase = "resumed_step"
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            # as the torch engine checks after every optimizer step: the same bug, the same signature
+            # as a hand-written loop is checked after every optimizer step: the same bug, the same signature
             checks.check_finite_parameters(list(pl_module.model.named_parameters()), "after the optimizer step")
+            progress = self.run.progress
+            self.engine.step_ended(self.state, self.run, pl_module.training_losses[-1])
+            if not progress.resumed and trainer.global_step == SCHEDULE.steps:
+                self.engine.hold(self.state, self.run)
+                progress.phase = "checkpoint_save"  # ModelCheckpoint saves after this callback
 
         def on_validation_start(self, trainer, pl_module):
-            self.phase = "evaluate" if self.first_phase == "evaluate" else "mid_training_eval"
+            progress = self.run.progress
+            if progress is not None and not progress.resumed:
+                progress.phase = "mid_training_eval"
 
-        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-            self.phase = "checkpoint_save"
+        def on_validation_end(self, trainer, pl_module):
+            progress = self.run.progress
+            if progress is not None and not progress.resumed:
+                progress.evaluation = pl_module.validation_output
+                progress.phase = "resumed_step"  # the uninterrupted run goes on with step k+1
 
     return types.SimpleNamespace(
-        Trainer=L.Trainer, ModelCheckpoint=ModelCheckpoint, CellModule=CellModule, PhaseTracker=PhaseTracker
+        Trainer=L.Trainer, ModelCheckpoint=ModelCheckpoint, CellModule=CellModule, Following=Following
     )
 
 
-# Lightning's Strategy.teardown() ends fit() and validate() with lightning_module.cpu()
-TEARDOWN_DEVICE = torch.device("cpu")
-
-
-def _after_teardown(state: CellState, module, when: str) -> None:
-    return_from_library_device(state, module, TEARDOWN_DEVICE, by="Lightning's strategy teardown", when=when)
-
-
-def _loader(state: CellState):
-    batch = {k: v.cpu() for k, v in state.batch.items()}
-    return torch.utils.data.DataLoader([batch], batch_size=None)  # one fixed batch per epoch
-
-
-def _trainer(state: CellState, max_steps: int, first_phase: str, directory: str = "lightning"):
-    lightning = _lightning()
-    tracker = lightning.PhaseTracker(first_phase)
-    grad_mode = state.kind.variant.eval_grad_mode
-    checkpoints = lightning.ModelCheckpoint(
-        dirpath=state.workdir / directory, filename="checkpoint", every_n_train_steps=TRAIN_STEPS, save_top_k=-1
-    )
-    trainer = lightning.Trainer(
-        accelerator=state.device.type,  # Lightning's names for cpu, cuda, mps are torch's
-        devices=[state.device.index or 0] if state.device_kind.indexed else 1,
-        precision=state.metrics.engine_settings["precision"],
-        max_steps=max_steps,
-        check_val_every_n_epoch=TRAIN_STEPS,  # one batch per epoch: validation after step 3
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[tracker, checkpoints],
-        default_root_dir=state.workdir,
-        # None: Lightning's own default (validation under inference_mode)
-        **({} if grad_mode is None else {"inference_mode": grad_mode == "inference_mode"}),
-    )
-    state.engine_state.update(trainer=trainer, tracker=tracker)
-    state.metrics.engine_effective = {
-        "precision": str(trainer.precision),
-        "plugin": type(trainer.precision_plugin).__name__,
-    }
-    return trainer
-
-
-def _evaluate_as_lightning(state: CellState, model):
-    """Evaluation under the precision plugin's own forward context, as Lightning validates."""
-    model.eval()
-    with state.eval_grad_context(), state.engine_state["trainer"].precision_plugin.forward_context():
-        return state.kind.evaluate(model, state.batch)
-
-
-def _checkpoint_file(state: CellState):
-    found = sorted((state.workdir / "lightning").glob("*.ckpt"))
-    if not found:
-        raise checks.CheckFailure("Lightning wrote no checkpoint")
-    return found[0]
-
-
-def train_steps(state: CellState) -> None:
-    state.build()
-    trainable, dtypes = snapshot_trainable(state.model, state.kind), checks.tensor_dtypes(state.model)
-    module = _lightning().CellModule(state, state.model)
-    trainer = _trainer(state, TRAIN_STEPS, "train_steps")
-    state.engine_state["module"] = module
-    run_tagged(
-        lambda: trainer.fit(module, train_dataloaders=_loader(state), val_dataloaders=_loader(state)),
-        state.engine_state["tracker"],
-    )
-    _after_teardown(state, module, "fit")
-    state.metrics.train_losses = module.training_losses
-    record_library_steps(state, trainer.optimizers[0], trainer.global_step)
-    for loss in module.training_losses:
-        checks.check_finite_loss(torch.tensor(loss), "training loss")
-    check_training_contract(state, state.model, trainable, dtypes)
-    check_agrees_with_torch_engine(state, module.training_losses[0], "train")
-
-
-def mid_training_eval(state: CellState) -> None:
-    output = state.engine_state["module"].validation_output
-    if output is None:
-        raise checks.CheckFailure("Lightning ran no validation during fit")
-    check_against_fp32(state, output, "mid-training eval")
-
-
-def evaluate(state: CellState) -> None:
-    state.build()
-    module = _lightning().CellModule(state, state.model)
-    trainer = _trainer(state, TRAIN_STEPS, "evaluate")
-    state.engine_state["module"] = module
-    run_tagged(
-        lambda: trainer.validate(module, dataloaders=_loader(state), verbose=False), state.engine_state["tracker"]
-    )
-    _after_teardown(state, module, "validate")
-    check_against_fp32(state, module.validation_output, "eval")
-    check_agrees_with_torch_engine(state, module.validation_output.loss.float().item(), "eval")
-
-
-def checkpoint_save(state: CellState) -> None:
-    if state.cell.mode == "eval":
-        (state.workdir / "lightning").mkdir(parents=True, exist_ok=True)
-        trainer = state.engine_state["trainer"]
-        run_tagged(
-            lambda: trainer.save_checkpoint(state.workdir / "lightning" / "checkpoint.ckpt"),
-            state.engine_state["tracker"],
-        )
-    state.metrics.checkpoint_files = [_checkpoint_file(state).name]
-    state.outputs_before_save = _evaluate_as_lightning(state, state.model).logits
-    if state.cell.mode == "train":  # ModelCheckpoint saved at the end of the last step: what fit() left
-        trainer = state.engine_state["trainer"]
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        resume.remember_point(state, trainer.optimizers[0], resume.scaler_state(scaler))
-
-
-def checkpoint_reload(state: CellState) -> None:
-    # Tensors and plain containers only: no arbitrary unpickling.
-    checkpoint = torch.load(_checkpoint_file(state), weights_only=True, map_location=state.device)
-    reloaded = state.kind.build(state.precision, state.device, state.workdir)
-    _lightning().CellModule(state, reloaded).load_state_dict(checkpoint["state_dict"])
-    check_reload(state, reloaded, evaluate=_evaluate_as_lightning)
-    state.engine_state["reloaded"] = reloaded
-
-
-def resumed_step(state: CellState) -> None:
-    model = state.kind.build(state.precision, state.device, state.workdir)
-    module = _lightning().CellModule(state, model)
-    trainer = _trainer(state, TRAIN_STEPS + 1, "resumed_step")
-    tracker = state.engine_state["tracker"]
-    path = _checkpoint_file(state)
-    run_tagged(lambda: trainer.fit(module, train_dataloaders=_loader(state), ckpt_path=path), tracker)
-    _after_teardown(state, module, "resumed fit")
-    state.metrics.resumed_losses = module.training_losses
-    check_resumed_one_step(state, module.training_losses, state.engine_state["reloaded"], model)
-
-    def uninterrupted():  # TRAIN_STEPS + 1 steps from the start, validation and save included
-        again = fresh_model(state)
-        seed_first_training_forward(state, again)  # the first forward's draws, as in train_steps
-        whole = _lightning().CellModule(state, again)
-        run = _trainer(state, TRAIN_STEPS + 1, "resumed_step", directory="uninterrupted")
-        run.fit(whole, train_dataloaders=_loader(state), val_dataloaders=_loader(state))
-        _after_teardown(state, whole, "uninterrupted fit")
-        return whole.training_losses[TRAIN_STEPS:], resume.model_and_optimizer_tensors(again, run.optimizers[0])
-
-    resume.check_library_resume(
-        state,
-        (tracker.optimizer_at_start, tracker.scaler_state_at_start),
-        module.training_losses,
-        resume.model_and_optimizer_tensors(model, trainer.optimizers[0]),
-        uninterrupted,
-        "Lightning's own: whatever fit() restores from its checkpoint",
-    )
-
-
-class LightningEngine(Engine):
+class LightningEngine(LibraryLoop):
     name = "lightning"
     description = "Lightning Trainer(precision=...): fit with validation, ModelCheckpoint, resume"
-
     axis_position = 3
-    train_steps = staticmethod(train_steps)
-    mid_training_eval = staticmethod(mid_training_eval)
-    checkpoint_save = staticmethod(checkpoint_save)
-    checkpoint_reload = staticmethod(checkpoint_reload)
-    resumed_step = staticmethod(resumed_step)
-    evaluate = staticmethod(evaluate)
+    Run = LightningRun
 
-    def derive_settings(self, precision: Precision) -> dict | Unsupported:
+    def derive_settings(self, precision: Precision) -> LightningSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "a Lightning precision", precision)
         if unsupported:
             return unsupported
         if precision.autocast_dtype is not None:  # Lightning's mixed plugins autocast over the weights as built
-            return {"precision": {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}[precision.autocast_dtype]}
+            mixed = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}[precision.autocast_dtype]
+            return LightningSettings(precision=mixed)
         true = {torch.float32: "32-true", torch.float16: "16-true", torch.bfloat16: "bf16-true"}
-        return {"precision": true[precision.weights_dtype]}
+        return LightningSettings(precision=true[precision.weights_dtype])
 
-    def cleanup(self, state: CellState) -> None:
-        state.engine_state.clear()
+    # ---------------------------------------------------------------- Lightning's Trainer
+
+    def _run(self, state, model, training: bool, resumed: bool = False) -> LightningRun:
+        lightning = _lightning()
+        run = LightningRun(trainer=None, module=lightning.CellModule(state, model))
+        if training:
+            run.progress = LoopProgress(phase="checkpoint_reload" if resumed else "train_steps", resumed=resumed)
+        directory = state.shared_dir / ("lightning-resumed" if resumed else "lightning")
+        grad_mode = state.kind.variant.eval_grad_mode
+        checkpoints = lightning.ModelCheckpoint(
+            dirpath=directory, filename="checkpoint", every_n_train_steps=SCHEDULE.steps, save_top_k=-1
+        )
+        run.trainer = lightning.Trainer(
+            accelerator=state.device.type,  # Lightning's names for cpu, cuda, mps are torch's
+            devices=[state.device.index or 0] if state.device_kind.indexed else 1,
+            precision=state.settings.precision,
+            max_steps=SCHEDULE.total if training else SCHEDULE.steps,
+            check_val_every_n_epoch=SCHEDULE.steps,  # one batch per epoch: validation after step k
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[lightning.Following(self, state, run), checkpoints],
+            default_root_dir=state.workdir,
+            # None: Lightning's own default (validation under inference_mode)
+            **({} if grad_mode is None else {"inference_mode": grad_mode == "inference_mode"}),
+        )
+        state.metrics.engine_effective = {
+            "precision": str(run.trainer.precision),
+            "plugin": type(run.trainer.precision_plugin).__name__,
+        }
+        return run
+
+    @staticmethod
+    def _loader(state):
+        batch = {k: v.cpu() for k, v in state.batch.items()}
+        return torch.utils.data.DataLoader([batch], batch_size=None)  # one fixed batch per epoch
+
+    def start(self, state, model, training: bool) -> LightningRun:
+        return self._run(state, model, training)
+
+    def run_loop(self, state, run: LightningRun) -> None:
+        if run.resume_from is None:  # the uninterrupted run: validation and the save after step k
+            run.trainer.fit(run.module, train_dataloaders=self._loader(state), val_dataloaders=self._loader(state))
+        else:
+            run.trainer.fit(run.module, train_dataloaders=self._loader(state), ckpt_path=run.resume_from)
+        when = "fit" if run.resume_from is None else "resumed fit"
+        return_from_library_device(state, run.module, TEARDOWN_DEVICE, by="Lightning's strategy teardown", when=when)
+
+    def evaluate_live(self, state, run: LightningRun):
+        run.trainer.validate(run.module, dataloaders=self._loader(state), verbose=False)
+        return_from_library_device(state, run.module, TEARDOWN_DEVICE, by="Lightning's strategy teardown", when="validate")
+        if run.module.validation_output is None:
+            raise checks.CheckFailure("Lightning ran no validation")
+        return run.module.validation_output
+
+    def save(self, state, run: LightningRun, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        if run.progress is None:
+            run.trainer.save_checkpoint(directory / CHECKPOINT_FILE)
+            return
+        progress = self.ran(state, run)
+        written = sorted((state.shared_dir / "lightning").glob("*.ckpt"))
+        if not written:
+            self.fail(progress, "Lightning wrote no checkpoint")
+        (directory / CHECKPOINT_FILE).symlink_to(written[0])
+
+    def restore(self, state, directory: Path, training: bool) -> LightningRun:
+        if training:
+            run = self._run(state, fresh_model(state), training=True, resumed=True)
+            run.resume_from = directory / CHECKPOINT_FILE
+            return run
+        # Tensors and plain containers only: no arbitrary unpickling.
+        checkpoint = torch.load(directory / CHECKPOINT_FILE, weights_only=True, map_location=state.device)
+        run = self._run(state, fresh_model(state), training=False)
+        run.module.load_state_dict(checkpoint["state_dict"])
+        return run
+
+    # ---------------------------------------------------------------- what fit() holds
+
+    def module(self, state, run: LightningRun):
+        return run.module.model
+
+    def live_weights(self, state, run: LightningRun):
+        return run.module.model
+
+    def exported(self, state, run: LightningRun):
+        return self.weights(state, run)  # the module's own model: no wrapper around its forward
+
+    def live_optimizer_state(self, state, run: LightningRun) -> dict:
+        optimizers = run.trainer.optimizers
+        return checks.optimizer_state(optimizers[0]) if optimizers else {}
+
+    def live_scaler_state(self, state, run: LightningRun) -> dict | None:
+        scaler = getattr(run.trainer.precision_plugin, "scaler", None)
+        return None if scaler is None else scaler.state_dict()
+
+    def live_evaluation(self, state, run: LightningRun):
+        """The resumed run's evaluation as it begins, under the precision plugin's own forward
+        context, as Lightning validates; of a copy of its weights, so that evaluating leaves the
+        run itself as fit() holds it (bitsandbytes' int8 layers keep state from a forward)."""
+        from matrix.quantization import float_tensors
+
+        model = run.module.model
+        weights = model.state_dict() if state.precision.quantization is None else float_tensors(model)
+        copy = model_holding(state, weights).eval()
+        with generators_kept(state), state.eval_grad_context(), run.trainer.precision_plugin.forward_context():
+            return state.kind.evaluate(copy, state.batch)
+
+    def live_applied(self, state, run: LightningRun) -> int:
+        optimizers = run.trainer.optimizers
+        if not optimizers:
+            return 0
+        return max((int(entry["step"]) for entry in optimizers[0].state.values() if "step" in entry), default=0)
 
 
 register(LightningEngine())

@@ -6,6 +6,7 @@ comparing and merging reports never imports torch or the stack that produced the
   records.py       - one typed record per cell, and the records of cells that never reached run_cell
   document.py      - results.json's document: counts, signature and catalogue indexes
   markdown.py      - summary.md
+  phase_costs.py   - where a run's cell time went: engines and phases
   compatibility.py - compatibility.md: the architecture table of a run's hf: cells
   junit.py         - junit.xml
   html.py          - index.html
@@ -19,4 +20,5 @@ comparing and merging reports never imports torch or the stack that produced the
 
 SCHEMA_VERSION = 5  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;
 # 4: per-cell cuda_index, device_name and rerun; run.shard, run.cuda_device, run.merged_from;
-# environment.driver_version and driver_cuda_version; 5: per-cell traceback
+# environment.driver_version and driver_cuda_version; 5: per-cell traceback (and, optional, per-cell
+# phase_seconds: runs before it simply have none)

@@ -1,6 +1,6 @@
 """summary.md: one grid per device and mode, new failures grouped by signature (each with its
 first cell's traceback, folded), fixed cells by catalogue entry, skip reasons, known failures,
-signatures, explorations, the precision table."""
+signatures, the slowest phases, explorations, the precision table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 from matrix.results import crash_dump
 from matrix.results.files import known_failure_keys
 from matrix.results.metrics import UNSET, CellMetrics, Effective, KindRecord, LearningRate
+from matrix.results.phase_costs import slowest_phases_markdown
 
 # summary.md goes into a CI job's summary, which GitHub caps at 1 MiB: a new signature's
 # traceback there keeps its first lines and innermost frames in this many characters.
@@ -190,6 +191,7 @@ def summary_markdown(document: dict) -> str:
     else:
         lines.append("No cell failed.")
 
+    lines += slowest_phases_markdown(cells)
     lines += exploration_markdown(document.get("explorations", []))
     lines += model_kinds_markdown(cells)
 

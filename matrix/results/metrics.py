@@ -1,4 +1,4 @@
-"""A cell's metrics, typed: what its phases measured (CellState.metrics, matrix/phases.py) and what
+"""A cell's metrics, typed: what its phases measured (CellState.metrics, matrix/pipeline.py) and what
 results.json's `cells[].metrics` holds. Standard library only: the readers of a results.json
 (diff, Markdown) read it with nothing but this module.
 
@@ -107,7 +107,7 @@ class Tolerance(Record):
 
 @dataclass(slots=True)
 class KindRecord(Record):
-    """What the report records of the cell's model kind (matrix/phases.py kind_record)."""
+    """What the report records of the cell's model kind (matrix/kind_traits.py kind_record)."""
 
     traits: list | None = UNSET  # the traits catalogue selectors match
     declared_traits: list | None = UNSET  # the traits the kind declares; null: observed
@@ -116,7 +116,7 @@ class KindRecord(Record):
 
 @dataclass(slots=True)
 class Effective(Record):
-    """What is actually in force, not only what the precision's name promises (matrix/phases.py)."""
+    """What is actually in force, not only what the precision's name promises (matrix/measurements.py)."""
 
     parameter_dtypes: dict | None = UNSET  # dtype -> element count, every parameter
     trainable_parameter_dtypes: dict | None = UNSET  # dtype -> element count, trainable ones
@@ -156,7 +156,7 @@ class Distributed(Record):
 @dataclass(slots=True)
 class CrossEngine(Record):
     """The cell's first-step (or eval) loss against the torch engine's on a fresh model
-    (matrix/phases.py check_agrees_with_torch_engine); only one pair of losses is set."""
+    (matrix/pipeline.py check_agrees_with_torch_engine); only one pair of losses is set."""
 
     first_step_loss: float | None = UNSET  # this engine's first training step's loss
     torch_engine_first_step_loss: float | None = UNSET  # the torch engine's
@@ -254,7 +254,8 @@ class CellMetrics(Record):
     dcp_files: int | None = UNSET  # files torch.distributed.checkpoint wrote (fsdp2)
     deepspeed_checkpoint_files: list | None = UNSET  # the files DeepSpeed's save_checkpoint wrote
     reload_max_abs_difference: float | None = UNSET  # eval logits, saved vs reloaded model
-    dcp_reload_max_abs_difference: float | None = UNSET  # the same through the sharded checkpoint
+    dcp_reload_max_abs_difference: float | None = UNSET  # the same through the sharded checkpoint (before issue 35)
+    resume_reload_max_abs_difference: float | None = UNSET  # eval logits, the run as saved vs the engine's resumed run
     resumed_losses: list | None = UNSET  # the loss of the step resumed from the checkpoint
     resume: Resume | None = UNSET  # the resumed step against the same run uninterrupted
 

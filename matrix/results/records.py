@@ -43,6 +43,7 @@ class CellRecord:
     skip_reason: str | None = None
     known_failure: dict | None = None  # known_failure_record()
     duration_s: float = 0.0
+    phase_seconds: dict = field(default_factory=dict)  # phase -> seconds it took (a cell that ran)
     metrics: CellMetrics = field(default_factory=CellMetrics)  # written as CellMetrics.as_dict()
     cuda_index: int | None = None  # the accelerator's index, for a cell on an indexed device
     device_name: str | None = None

@@ -1,0 +1,167 @@
+"""What the harness knows of one cell while it runs (in its process, or in each rank): the cell,
+its model kind, precision, device and engine, the batch, the process group, and what the
+pipeline's phases hand to each other (matrix/pipeline.py). Every field is typed; an engine keeps
+its own state in its run (matrix/engines/base.py), not here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from matrix import declared_dtypes
+from matrix.cell import Cell
+from matrix.devices import DEVICES, Device
+from matrix.group import SINGLE, Group
+from matrix.models import ModelKind
+from matrix.models.base import EvalOutput
+from matrix.precisions import Precision
+from matrix.results.metrics import CellMetrics
+
+
+@dataclass
+class FirstForwardHooks:
+    """The two global forward pre-hooks the harness puts up when it builds a cell's model: one
+    records the autocast in force in the model's first forward, one seeds the global generator
+    right before its first training forward (measurements.watch_first_forward,
+    seed_first_training_forward). `paused`: a forward the harness makes itself is not the one
+    they wait for."""
+
+    handles: list = field(default_factory=list)
+    paused: bool = False
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+@dataclass
+class ResumePoint:
+    """What the interrupted run held when its checkpoint was written (matrix/resume.py)."""
+
+    optimizer_state: dict[str, torch.Tensor]
+    scaler_state: dict | None
+
+
+@dataclass
+class Saved:
+    """The checkpoint_save phase's result: where the engine's own checkpoint and the plain export
+    are, and what the export must read back as."""
+
+    checkpoint: Path  # the engine's own checkpoint (its resume path reads it)
+    export: Path  # the weights as a model the kind's own loader reads
+    exported: torch.nn.Module  # a plain model of the kind holding what the export must give back
+    exported_logits: torch.Tensor  # its evaluation, as the run evaluated (pipeline.evaluate_as_run)
+    run_logits: torch.Tensor  # the run's own evaluation as saved: what the engine's resume path must give back
+
+
+@dataclass
+class CellState:
+    """What the phases of one cell hand to each other."""
+
+    cell: Cell
+    kind: ModelKind
+    precision: Precision
+    device: torch.device
+    workdir: Path
+    metrics: CellMetrics  # what the phases measured: the cell record's metrics
+    engine: object | None = None  # the matrix.engines.Engine that drives the cell
+    settings: object | None = None  # the engine's typed settings for the precision (EngineSettings)
+    group: Group = SINGLE
+    batch: dict | None = None
+    # time.monotonic() by which the cell must be done (its --cell-timeout), or None: what an
+    # engine that waits on other processes (the ranks) waits for at most
+    deadline: float | None = None
+    hooks: FirstForwardHooks = field(default_factory=FirstForwardHooks)
+    # seeded_training_loss of a fresh model: the loss-decrease check's "before" and the
+    # cross-engine check's torch-engine yardstick in training, measured once per cell
+    loss_before_training: float | None = None
+    # the learning rate, established on demand (the pipeline sets how: kind_traits)
+    rate: Callable[[], float] | None = None
+    in_ranks: bool = False  # a distributed engine's driver: the ranks hold the cell (engines/distributed.py)
+    loaded: dict = field(default_factory=dict)  # directory -> an untouched copy of the kind's load of it
+    # ---- what the pipeline's phases hand on
+    run: object | None = None  # the engine's run: its model, optimizer, scaler, in its own types
+    restored: object | None = None  # the run the engine resumed from its own checkpoint
+    evaluation: EvalOutput | None = None  # the last evaluation of `run`, taken with no step since
+    point: ResumePoint | None = None
+    saved: Saved | None = None
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def device_kind(self) -> Device:
+        """The device axis' entry the cell runs on (matrix/devices/)."""
+        return DEVICES[self.cell.device]
+
+    @property
+    def training(self) -> bool:
+        return self.cell.mode == "train"
+
+    @property
+    def shared_dir(self) -> Path:
+        """Where the checkpoints every process of the cell reads are written."""
+        return self.group.shared_dir or self.workdir
+
+    @property
+    def learning_rate(self) -> float:
+        """AdamW's learning rate in every engine: the kind's own, else the one calibrated for it
+        (matrix/learning_rate.py); recorded in the cell's metrics."""
+        if self.rate is None:
+            raise RuntimeError("no learning rate was set up for this cell (the pipeline sets it at build)")
+        return self.rate()
+
+    def autocast(self):
+        """The precision's autocast on the cell's device (a null context without one)."""
+        return self.precision.autocast(self.device_type)
+
+    def new_grad_scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.make_grad_scaler(self.device_type)
+
+    def new_optimizer(self, model) -> torch.optim.Optimizer:
+        """AdamW over the model's trainable parameters, at the cell's learning rate."""
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.learning_rate)
+
+    def fresh_model(self, precision: Precision | None = None) -> torch.nn.Module:
+        """A fresh model of the kind in `precision` (the cell's by default), as every engine starts
+        from it (built deterministically), the global generators left as they were."""
+        with torch.random.fork_rng(devices=self.device_kind.rng_devices(self.device)):
+            return self.kind.build(precision or self.precision, self.device, self.workdir)
+
+    def load(self, directory: Path) -> torch.nn.Module:
+        """The kind's own load of a checkpoint directory in the cell's precision (from_pretrained
+        and the like). A directory loaded before in this cell (the plain reload and an engine's
+        resume read the same files) gives a copy of that load, which reading the same files again
+        would give too; a quantized base is read each time."""
+        kept = self.loaded.get(directory)
+        if kept is not None:
+            return copy.deepcopy(kept)
+        model = self.kind.load(directory, self.precision, self.device, self.workdir)
+        if self.precision.quantization is None:
+            try:
+                self.loaded[directory] = copy.deepcopy(model)
+            except (TypeError, RuntimeError, NotImplementedError):  # a model that does not copy: read again
+                pass
+        return model
+
+    def eval_grad_context(self):
+        """The grad mode evaluation runs in: no_grad, or inference_mode if the variant says so."""
+        return torch.inference_mode() if self.kind.variant.eval_grad_mode == "inference_mode" else torch.no_grad()
+
+    def expected_dtypes(self, model) -> dict:
+        """The dtype each of the kind's precision weights must have: the precision's, or fp32
+        where the architecture declares a module fp32 and from_pretrained obtained the model."""
+        weights = self.kind.precision_weights(model)
+        if self.precision.quantization is not None:
+            from matrix.quantization import storage_expectations
+
+            return storage_expectations(model, weights, self.precision.quantization, self.precision.weights_dtype)
+        loaded = self.kind.loaded_in_dtype(self.precision, reloaded=False)
+        return declared_dtypes.expected_dtypes(weights, model, self.precision.weights_dtype, loaded)

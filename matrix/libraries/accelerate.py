@@ -1,0 +1,12 @@
+"""accelerate's process-wide state, which every engine on accelerate (accelerate, the Trainer,
+accelerate-fsdp2) forgets after a cell and before a resumed run, as a new process would."""
+
+from __future__ import annotations
+
+
+def reset_accelerate() -> None:
+    """The Accelerator's state is a process-wide singleton (a shared dict): forget it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -1,0 +1,485 @@
+"""How the harness measures a cell, whatever its engine: evaluation in the precision, the fp32
+reference of the same weights, the seeded training loss before and after training, the torch
+engine's yardstick, one optimizer step as the precisions define it, and what a library did to
+the model (the autocast in its first forward, its placement).
+
+Each runs in the cell's process or in each of its ranks (state.group): a rank measures its rows
+and the whole batch's figure comes back, as one process measures it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from pathlib import Path
+
+import torch
+
+from matrix import checks
+from matrix.cell import Cell
+from matrix.cell_state import CellState
+from matrix.models.base import EvalOutput
+from matrix.observation import observe
+from matrix.precisions import PRECISIONS, dtype_name
+from matrix.results import metrics as typed
+from matrix.results.metrics import UNSET, CellMetrics
+from matrix.schedule import FIRST_FORWARD_SEED, MAX_STEP_ATTEMPTS, TRAIN_STEPS
+
+DROPOUT_OFF = "train-dropout-off"  # torch_engine_loss: the training loss with dropout off
+
+
+# ---------------------------------------------------------------- what is in force
+
+
+def effective_settings(state: CellState, model) -> typed.Effective:
+    """What is actually in force, not only what the precision's name promises."""
+    dtypes: dict[str, int] = {}
+    trainable: dict[str, int] = {}
+    for p in model.parameters():
+        dtypes[dtype_name(p.dtype)] = dtypes.get(dtype_name(p.dtype), 0) + p.numel()
+        if p.requires_grad:
+            trainable[dtype_name(p.dtype)] = trainable.get(dtype_name(p.dtype), 0) + p.numel()
+    with state.autocast():
+        autocast_on = torch.is_autocast_enabled(state.device_type)
+        autocast_dtype = torch.get_autocast_dtype(state.device_type) if autocast_on else None
+    scaler = state.new_grad_scaler()
+    return typed.Effective(
+        parameter_dtypes=dtypes,
+        trainable_parameter_dtypes=trainable,
+        autocast_dtype=dtype_name(autocast_dtype) if autocast_dtype else None,
+        grad_scaler=scaler is not None and scaler.is_enabled(),
+        device=str(state.device),
+    )
+
+
+def watch_first_forward(state: CellState, model) -> None:
+    """Record the autocast state in force inside the model's first forward.
+
+    The hook fires at the model's Linear layers, inside whatever wrapper an engine puts
+    around the model's forward, so it sees what the engine really does (accelerate does not
+    autocast to fp16 on a CPU; Lightning turns 16-mixed into bf16 there), not what was asked
+    for. It is a global module hook, not one on the model's modules: torch's
+    TransformerEncoderLayer leaves its fast path when a module of its own carries a hook, and
+    the observation must not change the code path it observes. The first Linear of the model
+    actually called reports; then the hook is removed.
+    """
+    linears = {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    def observe_autocast(module, args):
+        if id(module) not in linears or state.hooks.paused:
+            return
+        enabled = torch.is_autocast_enabled(state.device_type)
+        dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
+        state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
+        state.metrics.effective.first_linear_input_dtype = next(
+            (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
+        )
+        handle.remove()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(observe_autocast)
+    state.hooks.handles.append(handle)
+
+
+def seed_first_training_forward(state: CellState, model) -> None:
+    """Seed the global generator right before the model's first forward in training mode.
+
+    Whatever an engine does before (a Trainer seeds at construction, a sampler draws a
+    permutation, accelerate and Lightning set themselves up), the first training forward
+    starts from FIRST_FORWARD_SEED, so its dropout masks are the ones the torch engine's
+    yardstick draws (torch_engine_loss). A global hook, as in watch_first_forward: a hook on
+    the model's own modules would change the code paths it sits on.
+    """
+
+    def seed(module, args):
+        if module is model and not state.hooks.paused:
+            # a library may leave a model in eval mode while training it (dropout off): recorded
+            state.metrics.effective.model_training_in_first_forward = module.training
+            if module.training:
+                torch.manual_seed(FIRST_FORWARD_SEED)
+            handle.remove()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(seed)
+    state.hooks.handles.append(handle)
+
+
+@contextlib.contextmanager
+def harness_forward(state: CellState):
+    """A forward the harness makes itself: not the cell's first training forward the hooks wait for."""
+    was = state.hooks.paused
+    state.hooks.paused = True
+    try:
+        yield
+    finally:
+        state.hooks.paused = was
+
+
+def generators_kept(state: CellState):
+    """A context that leaves the global generators (the CPU's and the cell's GPU's) as it found them."""
+    return torch.random.fork_rng(devices=state.device_kind.rng_devices(state.device))
+
+
+def return_from_library_device(state: CellState, model, library_device: torch.device, by: str, when: str) -> None:
+    """Undo the one move a library is known to make when it finishes, record it, and check
+    that the model is back on the cell's device.
+
+    Lightning's strategy teardown, at the end of fit() and validate(), moves the
+    LightningModule (and its optimizer state) to the CPU. A cell on another device gets its
+    model back there, with `placement_restored` in its metrics saying who moved it. Any other
+    placement is a PlacementChanged failure `when` the library returned.
+    """
+    found = sorted(set(checks.tensor_devices(model).values()))
+    if library_device != state.device and found == [str(library_device)]:
+        model.to(state.device)
+        if state.metrics.placement_restored is UNSET:
+            state.metrics.placement_restored = []
+        state.metrics.placement_restored.append(
+            {"after": when, "by": by, "found_on": str(library_device), "moved_back_to": str(state.device)}
+        )
+    checks.check_placement(model, state.device, f"after {when}")
+
+
+def settle_garbage() -> None:
+    """Collect what the cells before left, and freeze what survives (the imported stack, caches):
+    a library's own gc.collect() inside a cell (the Trainer's, accelerate's free_memory, twice
+    per train()) then scans the cell's own objects, not the whole process's (0.2 s a call
+    with the stack imported, more as a run goes on). Nothing that is garbage is frozen."""
+    gc.collect()
+    gc.freeze()
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate_in_precision(state: CellState, model):
+    """Evaluation as the precision defines it, on the whole batch in this process: eval mode,
+    no_grad (or the variant's inference_mode), the precision's autocast."""
+    model.eval()
+    with state.eval_grad_context(), state.autocast():
+        return state.kind.evaluate(model, state.batch)
+
+
+def evaluate_rows(state: CellState, model, autocast: bool = True) -> EvalOutput:
+    """Evaluation of `model` (a library's wrapped module, say) as the precision defines it, each
+    rank on its rows, gathered: the whole batch's mean loss and the logits (and generated tokens)
+    of every row in order. `autocast=False`: the model's forward brings its own. One process:
+    the evaluation itself, untouched."""
+    group = state.group
+    rows = group.rows(state.batch)
+    model.eval()
+    around = state.autocast() if autocast else contextlib.nullcontext()
+    with state.eval_grad_context(), around:
+        result = state.kind.evaluate(model, rows)
+    if not group.distributed:
+        return result
+    mine = {
+        "loss": result.loss.detach().float().item(),
+        "items": state.kind.loss_items(rows),
+        "logits": result.logits.detach().cpu(),
+        "generated": None if result.generated is None else result.generated.cpu(),
+        "extras": result.extras,
+    }
+    every = group.gather(mine)
+    total = sum(part["items"] for part in every)
+    loss = sum(part["loss"] * part["items"] for part in every) / total
+    generated = None if mine["generated"] is None else torch.cat([p["generated"] for p in every]).to(state.device)
+    return EvalOutput(
+        loss=torch.tensor(loss),
+        logits=torch.cat([p["logits"] for p in every]).to(state.device),
+        generated=generated,
+        extras=mine["extras"],
+    )
+
+
+def fp32_reference_model(state: CellState, model):
+    """A fresh fp32 model of the same kind holding the same weights, upcast.
+
+    Built anew rather than copied, so that nothing an engine wrapped around the model (an
+    autocast forward, an output converter) comes along.
+    """
+    reference = state.fresh_model(PRECISIONS["fp32"])
+    reference.load_state_dict({name: tensor.float() for name, tensor in model.state_dict().items()})
+    return reference.eval()
+
+
+def fp32_reference(state: CellState, model):
+    """The evaluation of `model`'s weights in fp32 on the cell's batch, no autocast: an fp32
+    copy; for a quantized base, the same quantized weights multiplied in fp32 (the quantized
+    precision's own error; the quantization's is check_quantization_error's)."""
+    if state.precision.quantization is None:
+        reference_model = fp32_reference_model(state, model)
+        with torch.no_grad():
+            return state.kind.evaluate(reference_model, state.batch)
+    from matrix.quantization import fp32_compute
+
+    same_base = same_weights_copy(state, model).eval()
+    state.metrics.quantized.fp32_reference = "the same quantized base and adapters, fp32 compute, no autocast"
+    with torch.no_grad(), fp32_compute(same_base):
+        return state.kind.evaluate(same_base, state.batch)
+
+
+def position_deviations(logits: torch.Tensor, reference: torch.Tensor, attention_mask) -> dict:
+    """Largest |logit - fp32 logit| at real and at pad positions (attention mask 0).
+
+    No label is predicted from a pad position (models/causal_lm.py next_token_targets), so
+    the pad positions' outputs never reach a loss or a check. They are recorded because what
+    an attention kernel returns for a fully masked row differs between kernels and dtypes
+    (SDPA on CUDA in half precision, docs/GPU.md): a finding to see, not a failure.
+    """
+    if attention_mask is None or logits.shape[:2] != attention_mask.shape or reference.shape != logits.shape:
+        return {}
+    difference = (logits.detach().float() - reference.detach().float()).abs().amax(dim=-1)
+    pad = attention_mask == 0
+    return {
+        "real_position_logits_max_abs_deviation": difference[~pad].max().item(),
+        "pad_position_logits_max_abs_deviation": difference[pad].max().item() if pad.any() else None,
+    }
+
+
+# ---------------------------------------------------------------- models the harness makes
+
+
+def fresh_model(state: CellState):
+    """The cell's model as every engine starts from it (CellState.fresh_model)."""
+    return state.fresh_model()
+
+
+def same_weights_copy(state: CellState, model):
+    """A fresh model of the kind in the precision, holding `model`'s weights: free of any
+    forward wrapper a library put on `model`, so outputs compare like with like."""
+    copy_ = fresh_model(state)
+    if state.precision.quantization is None:
+        copy_.load_state_dict(model.state_dict())
+        return copy_
+    # a quantized base is frozen and quantized alike in every build: the floating tensors carry
+    # what training changed (a state dict's quantized weights do not load into plain modules)
+    from matrix.quantization import copy_float_weights
+
+    copy_float_weights(model, copy_)
+    return copy_
+
+
+def model_holding(state: CellState, weights: dict[str, torch.Tensor]):
+    """A fresh model of the kind in the precision holding `weights` (a state dict; over a quantized
+    base, its floating tensors) in their own dtypes: a tensor whose dtype the fresh model does not
+    have replaces the parameter's or buffer's data, so tied parameters stay tied."""
+    model = fresh_model(state)
+    found = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            target = found.get(name)
+            if target is None or not target.is_floating_point():
+                continue
+            value = tensor.to(state.device)
+            if target.dtype == value.dtype and target.shape == value.shape:
+                target.copy_(value)
+            else:
+                target.data = value
+    return model
+
+
+def snapshot_trainable(model, kind) -> dict[str, torch.Tensor]:
+    """The trainable tensors that must change in training: those that get a gradient. A
+    parameter the kind's fp32 backward leaves without one (an MoE's e_score_correction_bias,
+    which only routes) cannot change in any precision (matrix/observation.py)."""
+    gradless = observe(kind).gradless_parameters
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad and not any(n == g or n.endswith("." + g) for g in gradless)
+    }
+
+
+# ---------------------------------------------------------------- training losses
+
+
+def seeded_training_loss(state: CellState, model) -> float:
+    """The loss of `model` on the cell's batch measured as its first training forward was:
+    train mode, the precision's autocast, the dropout draws seeded with FIRST_FORWARD_SEED, no
+    gradients. Two such measurements differ by the weights alone. The global generators are
+    left as they were and the model in the mode it was in."""
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad(), state.autocast(), generators_kept(state), harness_forward(state):
+            torch.manual_seed(FIRST_FORWARD_SEED)  # the draws the cell's own first forward made
+            return state.kind.loss(model, state.batch).float().item()
+    finally:
+        model.train(was_training)
+
+
+def loss_before_training(state: CellState) -> float:
+    """seeded_training_loss of a fresh model: once per cell, and once per process for a kind,
+    precision and device (a fresh model and the batch are built deterministically)."""
+    if state.loss_before_training is None:
+        state.loss_before_training = _once(state, "train", lambda: seeded_training_loss(state, fresh_model(state)))
+    return state.loss_before_training
+
+
+# (kind type, kind name, variant, precision, device, what) -> the measurement on a fresh model
+_FRESH_MEASUREMENTS: dict[tuple, float] = {}
+
+
+def _once(state: CellState, what: str, measure) -> float:
+    """A measurement of a fresh model of the cell's kind and precision on its device, made once per
+    process: it depends on nothing else (every build and batch is seeded)."""
+    key = (type(state.kind), state.kind.name, state.kind.variant, state.precision, str(state.device), what)
+    if key not in _FRESH_MEASUREMENTS:
+        _FRESH_MEASUREMENTS[key] = measure()
+    return _FRESH_MEASUREMENTS[key]
+
+
+def dropout_off_loss(state: CellState, model, batch, autocast: bool = True) -> float:
+    """The training loss of `model` on `batch` with dropout off: eval mode, which is how every
+    library's dropout is switched off (module and functional alike), under the precision's
+    autocast (`autocast=False`: the model's forward brings its own), no gradients. The model is
+    left in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    around = state.autocast() if autocast else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), around, harness_forward(state):
+            return state.kind.loss(model, batch).float().item()
+    finally:
+        model.train(was_training)
+
+
+def dropout_off_rows_loss(state: CellState, model, autocast: bool = True) -> float:
+    """dropout_off_loss of `model` (a library's wrapped module), each rank on its rows: the whole batch's."""
+    rows = state.group.rows(state.batch)
+    return state.group.mean(dropout_off_loss(state, model, rows, autocast), state.kind.loss_items(rows))
+
+
+def stochastic_training_forward(state: CellState) -> bool:
+    """Whether the kind's training forward draws random numbers (dropout), as observed."""
+    return observe(state.kind).stochastic_training_forward
+
+
+def torch_engine_loss(state: CellState, mode: str) -> float:
+    """The loss the torch engine computes first, on a fresh model: the cross-engine yardstick.
+    `train-dropout-off`: the training loss of a fresh model with dropout off (eval mode)."""
+    if mode == "train":
+        return loss_before_training(state)
+    if mode == DROPOUT_OFF:
+        return _once(state, mode, lambda: dropout_off_loss(state, fresh_model(state), state.batch))
+
+    def evaluation() -> float:
+        with harness_forward(state):
+            return evaluate_in_precision(state, fresh_model(state)).loss.float().item()
+
+    return _once(state, mode, evaluation)
+
+
+# ---------------------------------------------------------------- one optimizer step
+
+
+def train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
+    """One optimizer step over the precision's micro-batches, as the precisions are defined:
+    torch.autocast around the forward, the grad scaler around backward and step. In a group,
+    each rank on its rows, its loss weighted by its share of the batch's items (the ranks'
+    averaged gradients are then the whole batch's) and a scaler's skip decided alike on every
+    rank. Returns (the whole batch's mean loss, step applied)."""
+    group = state.group
+    rows = group.rows(state.batch)
+    optimizer.zero_grad(set_to_none=True)
+    accumulation = state.precision.grad_accumulation
+    losses = []
+    for _ in range(accumulation):
+        with state.autocast():
+            loss = state.kind.loss(model, rows) / accumulation
+        losses.append(checks.check_finite_loss(loss, "training loss") * accumulation)
+        if group.distributed:
+            if state.metrics.rank_first_step_loss is UNSET:
+                state.metrics.rank_first_step_loss = losses[-1]
+            loss = loss * loss_weight(state, rows)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        # read after backward: FSDP2 swaps a module's parameters between sharded and unsharded
+        # ones around its forward and backward, and one read before may be gone by the step
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if state.precision.grad_dtype is not None:
+            # keep the accumulated gradients in grad_dtype, as SimpleTuner's
+            # --gradient_precision does between micro-steps
+            for _, p in named:
+                if p.grad is not None and p.grad.dtype != state.precision.grad_dtype:
+                    p.grad.data = p.grad.data.to(state.precision.grad_dtype)
+    value = sum(losses) / len(losses)
+    if scaler is None:
+        checks.check_finite_gradients(named)
+        optimizer.step()
+        applied = True
+    else:
+        scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
+        overflow = group.any(bool(checks.nonfinite_gradients(named)))  # such a step is skipped by design
+        scaler.step(optimizer)
+        scaler.update()
+        applied = not overflow
+    checks.check_finite_parameters(named, "after the optimizer step")
+    return group.mean(value, state.kind.loss_items(rows)), applied
+
+
+def loss_weight(state: CellState, rows: dict) -> float:
+    """What a rank's loss on its rows is multiplied by before backward, so that the ranks'
+    gradients, averaged, are the gradient of the whole batch's mean loss."""
+    return state.kind.loss_items(rows) * state.group.world_size / state.kind.loss_items(state.batch)
+
+
+def take_steps(step, steps: int) -> tuple[list[float], int]:
+    """Call step() -> (loss, applied) until `steps` optimizer steps were applied: every attempt's
+    loss, and how many attempts the grad scaler skipped."""
+    losses, skipped = [], 0
+    while len(losses) - skipped < steps:
+        if len(losses) == MAX_STEP_ATTEMPTS:
+            raise checks.NonFiniteValue(
+                "gradients kept overflowing: the grad scaler skipped every step",
+                details=f"{skipped} of {len(losses)} attempts skipped",
+            )
+        loss, applied = step()
+        losses.append(loss)
+        skipped += not applied
+    return losses, skipped
+
+
+# ---------------------------------------------------------------- fp32 in the torch engine
+
+
+class Fp32Training:
+    """How the learning-rate search measures: fp32 in the torch engine, on the CPU, as a cell
+    trains (seeded_training_loss before and after TRAIN_STEPS applied steps of train_step)."""
+
+    @staticmethod
+    def state(kind, workdir: Path) -> CellState:
+        from matrix.observation import measurement_device
+
+        cpu = measurement_device(kind)  # the CPU, unless the kind runs only on a GPU here
+        return CellState(
+            cell=Cell(kind.name, "fp32", "train", cpu.type, "torch"),
+            kind=kind,
+            precision=PRECISIONS["fp32"],
+            device=cpu,
+            workdir=workdir,
+            metrics=CellMetrics(),
+            batch=kind.batch(cpu),
+        )
+
+    @staticmethod
+    def loss_before(kind, workdir: Path) -> float:
+        """The fp32 model's seeded training loss before any step: the kind's fingerprint."""
+        state = Fp32Training.state(kind, workdir)
+        return seeded_training_loss(state, fresh_model(state))
+
+    @staticmethod
+    def fall(kind, rate: float, workdir: Path, steps: int = TRAIN_STEPS):
+        """fp32 training of a fresh model at `rate`, `steps` applied steps; the global generators are
+        left as they were."""
+        from matrix.learning_rate import Fall
+
+        state = Fp32Training.state(kind, workdir)
+        model = fresh_model(state)
+        before = seeded_training_loss(state, model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=rate)
+        model.train()
+        with generators_kept(state):
+            torch.manual_seed(FIRST_FORWARD_SEED)  # the draws every engine's first training forward makes
+            try:
+                take_steps(lambda: train_step(state, model, optimizer, None), steps)
+            except checks.CheckFailure as failure:  # a non-finite loss, gradient or weight: this rate does not learn
+                return Fall(rate, before, None, error=f"{type(failure).__name__}: {failure}")
+        return Fall(rate, before, seeded_training_loss(state, model))
