@@ -74,7 +74,10 @@ def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
     key = (kind.name, type(kind), kind.variant, rate)
     if key not in _STALLED:
         device = measurement_device(kind)
-        with torch.random.fork_rng(devices=generators_of(device)), tempfile.TemporaryDirectory(prefix="matrix-bf16-step-") as scratch:
+        with (
+            torch.random.fork_rng(devices=generators_of(device)),
+            tempfile.TemporaryDirectory(prefix="matrix-bf16-step-") as scratch,
+        ):
             cpu = device
             model = kind.build(PRECISIONS["fp32"], cpu, Path(scratch))
             model.train()

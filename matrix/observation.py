@@ -347,7 +347,10 @@ def _observe(kind) -> Observation:
 
     cpu, fp32 = measurement_device(kind), PRECISIONS["fp32"]
     try:
-        with torch.random.fork_rng(devices=generators_of(cpu)), tempfile.TemporaryDirectory(prefix="matrix-observe-") as scratch:
+        with (
+            torch.random.fork_rng(devices=generators_of(cpu)),
+            tempfile.TemporaryDirectory(prefix="matrix-observe-") as scratch,
+        ):
             workdir = Path(scratch)
             model = kind.build(fp32, cpu, workdir)
             created_in_eval_mode = not model.training

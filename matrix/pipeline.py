@@ -558,4 +558,3 @@ def _check_merged_save(state: CellState, adapters) -> None:
     outputs = evaluate_as_run(state, reread).logits
     record.merged_reload_max_abs_difference = (outputs.float() - merged_outputs.float()).abs().max().item()
     checks.check_outputs_equal("eval logits of the saved merged model", merged_outputs, outputs, CHECKPOINT_ROUND_TRIP)
-

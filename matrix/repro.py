@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from matrix.environment import package_versions
+from matrix.kind_traits import kind_learning_rate
 from matrix.models import MODELS, ModelKind
 from matrix.packages import PINNED_IN_REPRO
-from matrix.kind_traits import kind_learning_rate
 from matrix.pipeline import PHASE_NAMES
-from matrix.schedule import MAX_STEP_ATTEMPTS, TRAIN_STEPS
 from matrix.precisions import PRECISIONS
 from matrix.results.metrics import CellMetrics
+from matrix.schedule import MAX_STEP_ATTEMPTS, TRAIN_STEPS
 from matrix.selection import cell_from_id
 from matrix.variants import InvalidVariant
 from matrix.variants import from_json as variant_from_json

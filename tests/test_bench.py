@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from matrix import bench
+from matrix.pipeline import PHASE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_CELLS = ("--model", "tiny-transformer", "--precision", "fp32", "--engine", "torch", "--device", "cpu")
@@ -24,7 +25,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
     out = tmp_path / "bench.json"
-    options = ("--runner", "pytest", "--repeat", "1", "--per-cell-sample", "1", "--json", str(out))
+    options = ("--runner", "pytest", "--repeat", "1", "--per-cell-sample", "1", "--per-engine", "--json", str(out))
     done = run_bench(*options, "--", *TWO_CELLS)
     assert done.returncode == 0, done.stderr[-3000:]
     f = json.loads(out.read_text())
@@ -54,11 +55,29 @@ def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
     assert targets["overhead_ratio"]["met"] == (f["overhead_ratio"] < 1.5)
     assert targets["speedup"]["met"] == (f["speedup"] >= 5)
 
+    # each engine's cells of the per-engine run (here the two cells' one engine), and its slowest phase
+    per_engine = f["per_engine"]
+    costs = {(c["engine"], c["part"]): c for c in per_engine["engines"]}
+    assert set(costs) == {("torch", "train"), ("torch", "eval")}
+    assert all(c["cells"] == 1 and 0 < c["median_s"] == c["total_s"] for c in costs.values())
+    assert per_engine["compute_s"] == pytest.approx(sum(c["total_s"] for c in costs.values()))
+    slowest = per_engine["slowest_phase"]["torch"]
+    assert slowest["part"] in (
+        "train_steps",
+        "mid_training_eval",
+        "checkpoint_save",
+        "checkpoint_reload",
+        "resumed_step",
+        "evaluate",
+    )
+    assert 0 < slowest["total_s"] <= per_engine["compute_s"]
+    assert "## Cell cost per engine" in done.stdout and "| torch | train | 1 |" in done.stdout
+
     assert done.stdout.startswith("# Benchmarks")
     assert "extrapolated from 1 of 2 cells" in done.stdout
     assert f"nox -s bench -- {f['arguments']}" in done.stdout
     assert f["machine"]["cpu_count"] == os.cpu_count() and f["machine"]["packages"]["torch"]
-    assert set(f["load"]["other_cpu_cores"]) == {"matrix", "import", "per_cell"}
+    assert set(f["load"]["other_cpu_cores"]) == {"matrix", "import", "per_cell", "per_engine"}
     assert "matrix run 1/1:" in done.stderr and "per-cell 1/1:" in done.stderr  # progress
 
 

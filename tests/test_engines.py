@@ -10,8 +10,8 @@ from accelerate.state import AcceleratorState
 
 from matrix.cell import Cell
 from matrix.engines import ENGINES
-from matrix.libraries.trainer import trainer_classes
 from matrix.execute import run_cell
+from matrix.libraries.trainer import trainer_classes
 from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
 

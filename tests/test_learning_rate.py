@@ -4,10 +4,10 @@ a kind that does not learn in fp32 is one finding on its fp32 cells, not one per
 
 import pytest
 
-from matrix import learning_rate as lr
 from matrix import kind_traits
-from matrix.cell_state import CellState
+from matrix import learning_rate as lr
 from matrix.cell import Cell
+from matrix.cell_state import CellState
 from matrix.execute import run_cell
 from matrix.models import MODELS
 from matrix.models.tiny_llama import TinyLlama

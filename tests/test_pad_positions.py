@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from matrix.engines import ENGINES
+from matrix.measurements import position_deviations
 from matrix.models import MODELS
 from matrix.models.causal_lm import IGNORE_INDEX, next_token_targets
-from matrix.measurements import position_deviations
 from matrix.precisions import PRECISIONS
 from matrix.strategies import variants
 

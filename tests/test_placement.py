@@ -13,10 +13,10 @@ import torch
 
 from matrix import checks
 from matrix.cell import Cell
-from matrix.execute import run_cell
-from matrix.models import MODELS
 from matrix.cell_state import CellState
+from matrix.execute import run_cell
 from matrix.measurements import return_from_library_device
+from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
 from matrix.results.metrics import CellMetrics
 

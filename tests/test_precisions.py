@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from matrix.cell import Cell
-from matrix.models import MODELS
 from matrix.cell_state import CellState
 from matrix.measurements import effective_settings
+from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
 
 EXPECTED = {  # name: (weights, autocast, scaler) -- the definitions

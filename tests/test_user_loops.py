@@ -13,7 +13,10 @@ import pytest
 MODELS = ("tiny-llama", "lora")
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
 MIXED = ("fp16-mixed", "bf16-mixed")
-LOOPS = {"user-loop": ("user-loop-model-only", "user-loop-cast"), "user-trainer": ("user-trainer-model-only", "user-trainer-cast")}
+LOOPS = {
+    "user-loop": ("user-loop-model-only", "user-loop-cast"),
+    "user-trainer": ("user-trainer-model-only", "user-trainer-cast"),
+}
 ENGINES = ("torch", *LOOPS, *(twin for twins in LOOPS.values() for twin in twins))
 
 
@@ -22,7 +25,9 @@ def cells(tmp_path_factory) -> dict[tuple, dict]:
     from conftest import run_matrix_cpu
 
     selection = ("--model", ",".join(MODELS), "--precision", ",".join(PRECISIONS), "--engine", ",".join(ENGINES))
-    done, document = run_matrix_cpu(tmp_path_factory.mktemp("user-loops"), "-p", "user_loop", "-p", "user_trainer", *selection)
+    done, document = run_matrix_cpu(
+        tmp_path_factory.mktemp("user-loops"), "-p", "user_loop", "-p", "user_trainer", *selection
+    )
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
     found = {(c["engine"], c["model"], c["precision"], c["mode"]): c for c in document["cells"]}
     assert len(found) == len(ENGINES) * len(MODELS) * len(PRECISIONS) * 2
@@ -51,7 +56,10 @@ def test_a_right_loop_gets_the_torch_engines_verdict_in_every_cell(cells, loop):
     assert trained["outcome"] == "passed"
     assert trained["metrics"]["resume"]["optimizer_state_restored"] is True
     assert trained["metrics"]["resume"]["tensors_compared"] > 0
-    assert trained["metrics"]["cross_engine"]["spread_abs"] <= trained["metrics"]["cross_engine"]["tolerance"]["atol"] + 1e-3
+    assert (
+        trained["metrics"]["cross_engine"]["spread_abs"]
+        <= trained["metrics"]["cross_engine"]["tolerance"]["atol"] + 1e-3
+    )
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -87,6 +95,67 @@ def test_mixed_precision_done_as_a_cast_fails_right_after_the_engine_starts(cell
                 half = "float16" if precision.startswith("fp16") else "bfloat16"
                 assert buggy["outcome"] == "failed", buggy["id"]
                 assert buggy["phase"] == ("train_steps" if mode == "train" else "evaluate"), buggy["id"]
-                expected = f"matrix.checks.DtypeContractBroken: after prepare: weights are torch.{half}, not torch.float32"
+                expected = (
+                    f"matrix.checks.DtypeContractBroken: after prepare: weights are torch.{half}, not torch.float32"
+                )
                 assert expected in buggy["signature"]["text"], buggy["signature"]["text"]
                 assert "Attempting to unscale" not in (buggy["message"] or "")
+
+
+def test_an_engine_the_harness_cannot_see_into_is_refused_when_it_registers(registered):
+    """A run without the fields the default views read, and no view of the engine's own: the
+    harness could check nothing of its weights, optimizer or scaler, so the engine is refused at
+    registration, naming each view; once it says how, it registers."""
+    from dataclasses import dataclass
+
+    from matrix.engines import ENGINES, EngineIncomplete, EngineSettings, Loop
+
+    @dataclass
+    class Run:
+        trainer: object  # a library object the defaults know nothing of
+
+    class Opaque(Loop):
+        name = "opaque-loop"
+        description = "a loop whose run holds only a library object"
+
+        def derive_settings(self, precision):
+            return EngineSettings()
+
+        def start(self, state, model, training):
+            return Run(model)
+
+        def step(self, state, run):
+            return 0.0, True
+
+        def save(self, state, run, directory):
+            pass
+
+        def restore(self, state, directory, training):
+            return Run(None)
+
+    Opaque.Run = Run
+    with pytest.raises(EngineIncomplete) as refused:
+        registered(ENGINES, Opaque())
+    message = str(refused.value)
+    assert message.startswith("engine 'opaque-loop': the harness cannot see into its runs: ")
+    for view in ("weights()", "optimizer_state()", "scaler_state()", "module()"):
+        assert f"{view}: its Run (Run) has no `" in message, (view, message)
+    assert "opaque-loop" not in ENGINES
+
+    class Seen(Opaque):
+        name = "seen-loop"
+
+        def module(self, state, run):
+            return run.trainer
+
+        def weights(self, state, run):
+            return run.trainer
+
+        def optimizer_state(self, state, run):
+            return {}
+
+        def scaler_state(self, state, run):
+            return None
+
+    registered(ENGINES, Seen())
+    assert "seen-loop" in ENGINES

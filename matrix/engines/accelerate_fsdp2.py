@@ -23,12 +23,12 @@ users run on GPUs. On CUDA accelerate selects FSDP itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from matrix import checks
-from matrix.engines.base import EngineSettings, Loop, Unsupported, always, one_switch_unsupported, register
+from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, one_switch_unsupported, register
 from matrix.engines.distributed import DistributedEngine, GatheredWeights, set_launcher_environment
 from matrix.libraries.accelerate import reset_accelerate
 from matrix.measurements import fresh_model, loss_weight
@@ -40,8 +40,8 @@ MIXED_PRECISION = {None: "no", "float16": "fp16", "bfloat16": "bf16"}
 
 @dataclass(frozen=True)
 class AccelerateFSDP2Settings(EngineSettings):
-    mixed_precision: str = always("no")
-    mixed_precision_policy: dict | None = always()
+    mixed_precision: str = field(default="no", metadata=ALWAYS)
+    mixed_precision_policy: dict | None = field(default=None, metadata=ALWAYS)
 
 
 @dataclass
@@ -124,7 +124,9 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
                 plugin.set_mixed_precision(mixed)
             accelerator.state.fsdp_plugin = plugin
         if not accelerator.is_fsdp2:
-            raise RuntimeError(f"accelerate did not take the FSDP2 path (distributed_type {accelerator.distributed_type})")
+            raise RuntimeError(
+                f"accelerate did not take the FSDP2 path (distributed_type {accelerator.distributed_type})"
+            )
         policy = accelerator.state.fsdp_plugin.mixed_precision_policy
         state.metrics.engine_effective = {
             "fsdp_selected_by": selected_by,

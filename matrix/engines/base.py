@@ -82,19 +82,17 @@ class Steps:
 @dataclass(frozen=True)
 class EngineSettings:
     """What a precision is called in an engine's library, typed. as_dict() is the record's
-    `engine_settings`: every field that is not None, and a field declared with always() even so."""
+    `engine_settings`: every field that is not None, and one declared with metadata=ALWAYS even so."""
 
     def as_dict(self) -> dict:
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None or f.metadata.get("recorded") == "always"
+            if getattr(self, f.name) is not None or f.metadata == ALWAYS
         }
 
 
-def always(default=None):
-    """A settings field the record writes even when it is None."""
-    return field(default=default, metadata={"recorded": "always"})
+ALWAYS = {"recorded": "always"}  # field(default=..., metadata=ALWAYS): a settings field written even when None
 
 
 class EngineIncomplete(RegistrationError):
@@ -289,9 +287,7 @@ class Engine(abc.ABC):
 def check_complete(engine: Engine) -> None:
     problems = engine.incomplete()
     if problems:
-        raise EngineIncomplete(
-            f"engine {engine.name!r}: the harness cannot see into its runs: " + "; ".join(problems)
-        )
+        raise EngineIncomplete(f"engine {engine.name!r}: the harness cannot see into its runs: " + "; ".join(problems))
 
 
 ENGINES: Registry[Engine] = Registry("engine", Engine, check=check_complete)

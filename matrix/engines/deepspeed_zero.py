@@ -26,10 +26,10 @@ files) the trained weights in memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from matrix import checks
-from matrix.engines.base import EngineSettings, Loop, Unsupported, always, register
+from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, register
 from matrix.engines.distributed import DistributedEngine, set_launcher_environment
 from matrix.kind_traits import ADAMW_WEIGHT_DECAY
 from matrix.libraries import deepspeed as ds
@@ -45,7 +45,7 @@ INITIAL_SCALE_POWER = 16  # torch.amp.GradScaler starts at 2**16 too
 
 @dataclass(frozen=True)
 class DeepSpeedSettings(EngineSettings):
-    zero_stage: int = always(0)
+    zero_stage: int = field(default=0, metadata=ALWAYS)
     bf16: bool | None = None
     fp16: bool | None = None
     communication_data_type: str | None = None

@@ -273,4 +273,3 @@ class GatheredWeights:
 
     def gather(self, state, run):
         return gathered_copy(state, run.model)
-

@@ -13,11 +13,11 @@ the kind's own format (save_pretrained), which a plain model reads back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from matrix.engines.base import EngineSettings, Loop, always, register
+from matrix.engines.base import ALWAYS, EngineSettings, Loop, register
 from matrix.engines.distributed import DistributedEngine, GatheredWeights
 from matrix.measurements import fresh_model, train_step
 from matrix.precisions import Precision, dtype_name
@@ -27,9 +27,9 @@ SCALER_FILE = "grad_scaler.pt"
 
 @dataclass(frozen=True)
 class FSDP2Settings(EngineSettings):
-    param_dtype: str | None = always()
-    reduce_dtype: str | None = always()
-    output_dtype: str | None = always()
+    param_dtype: str | None = field(default=None, metadata=ALWAYS)
+    reduce_dtype: str | None = field(default=None, metadata=ALWAYS)
+    output_dtype: str | None = field(default=None, metadata=ALWAYS)
     autocast: str | None = None
     grad_scaler: bool | None = None
 

@@ -94,7 +94,9 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         )
 
     def make_trainer(self, state, model, max_steps: int, output, run: TrainerRun) -> None:
-        ds.import_deepspeed(state)  # DeepSpeed's accelerator for the cell's device, chosen before the Trainer imports it
+        ds.import_deepspeed(
+            state
+        )  # DeepSpeed's accelerator for the cell's device, chosen before the Trainer imports it
         set_launcher_environment(state, also_restored=("DS_ACCELERATOR", "ACCELERATE_USE_DEEPSPEED"))
         super().make_trainer(state, model, max_steps, output, run)
         state.metrics.engine_effective["config"] = self.config(state)
@@ -124,7 +126,9 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         token sum over the whole batch's count, times the world size; otherwise it is the rank's
         own mean."""
         trainer, group = run.trainer, state.group
-        if trainer.args.average_tokens_across_devices and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
+        if trainer.args.average_tokens_across_devices and (
+            trainer.model_accepts_loss_kwargs or trainer.compute_loss_func
+        ):
             return group.total(value) / group.world_size
         rows = group.rows(state.batch)
         return group.mean(value, state.kind.loss_items(rows))

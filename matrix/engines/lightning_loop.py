@@ -187,7 +187,9 @@ class LightningEngine(LibraryLoop):
 
     def evaluate_live(self, state, run: LightningRun):
         run.trainer.validate(run.module, dataloaders=self._loader(state), verbose=False)
-        return_from_library_device(state, run.module, TEARDOWN_DEVICE, by="Lightning's strategy teardown", when="validate")
+        return_from_library_device(
+            state, run.module, TEARDOWN_DEVICE, by="Lightning's strategy teardown", when="validate"
+        )
         if run.module.validation_output is None:
             raise checks.CheckFailure("Lightning ran no validation")
         return run.module.validation_output
