@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from pathlib import Path
 
 import torch
@@ -257,11 +258,22 @@ def same_weights_copy(state: CellState, model):
     return copy_
 
 
-def model_holding(state: CellState, weights: dict[str, torch.Tensor]):
+def model_holding(state: CellState, weights: dict[str, torch.Tensor], into=None):
     """A fresh model of the kind in the precision holding `weights` (a state dict; over a quantized
     base, its floating tensors) in their own dtypes: a tensor whose dtype the fresh model does not
-    have replaces the parameter's or buffer's data, so tied parameters stay tied."""
-    model = fresh_model(state)
+    have replaces the parameter's or buffer's data, so tied parameters stay tied.
+
+    `into`: a model an earlier call returned for the same run, filled again rather than built
+    again (a view read at every step of a run): every tensor `weights` names is replaced, and each
+    module is put back in the train or eval mode it was built in."""
+    if into is None:
+        model = fresh_model(state)
+        _BUILT_MODES[model] = {name: module.training for name, module in model.named_modules()}
+    else:
+        model = into
+        modes = _BUILT_MODES[model]
+        for name, module in model.named_modules():
+            module.training = modes[name]
     found = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for name, tensor in weights.items():
@@ -274,6 +286,9 @@ def model_holding(state: CellState, weights: dict[str, torch.Tensor]):
             else:
                 target.data = value
     return model
+
+
+_BUILT_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model_holding's models
 
 
 def snapshot_trainable(model, kind) -> dict[str, torch.Tensor]:

@@ -209,10 +209,12 @@ def float_tensors(model) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in found.items() if tensor.is_floating_point()}
 
 
-def copy_float_weights(source, target, trainable_only: bool = False) -> list[str]:
+def copy_float_weights(source, target, trainable_only: bool = False, source_dtypes: bool = False) -> list[str]:
     """Copy every floating-point parameter and buffer of `source` that `target` has under the same
     name and shape (the adapters, norms, embeddings; `trainable_only`: the trainable parameters
     alone) into `target`; the quantized weights and their quant state stay as `target` has them.
+    In `target`'s dtypes, or with `source_dtypes` in `source`'s (a tensor of another dtype
+    replaces the target's data: a view of what a library holds, which may have cast it).
     Returns the names of `source`'s trainable parameters that found no place in `target` (none,
     if the copy is complete)."""
     theirs = float_tensors(target)
@@ -221,6 +223,9 @@ def copy_float_weights(source, target, trainable_only: bool = False) -> list[str
     with torch.no_grad():
         for name, tensor in float_tensors(source).items():
             if name in theirs and tensor.shape == theirs[name].shape and (name in trainable or not trainable_only):
-                theirs[name].copy_(tensor)
+                if source_dtypes and tensor.dtype != theirs[name].dtype:
+                    theirs[name].data = tensor.detach().to(theirs[name].device, copy=True)
+                else:
+                    theirs[name].copy_(tensor)
                 copied.append(name)
     return sorted(trainable - set(copied))

@@ -87,13 +87,16 @@ def check_same_step(
     record.uninterrupted_step_losses = uninterrupted_losses
     record.tensors_compared = len(after_uninterrupted)
     missing = sorted(set(after_uninterrupted) ^ set(after_resume))
-    differing, worst = [], 0.0
+    differing, worst, unlike = [], 0.0, {}
     for name, expected in after_uninterrupted.items():
         if name not in after_resume:
             continue
         got = after_resume[name].to(expected.device)
         if got.shape != expected.shape or got.dtype != expected.dtype:
             differing.append(name)
+            unlike[name] = (
+                f"{got.dtype} {tuple(got.shape)} resumed, {expected.dtype} {tuple(expected.shape)} uninterrupted"
+            )
             continue
         difference = (got.double() - expected.double()).abs()
         worst = max(worst, difference.max().item() if difference.numel() else 0.0)
@@ -126,6 +129,14 @@ def check_same_step(
         raise checks.ResumeDiverged(
             "the resumed run holds other tensors than the uninterrupted one",
             details=f"{len(missing)} differ in name, first {missing[0]}",
+        )
+    if unlike:  # another failure than a value that differs: the resumed run holds other tensors
+        first = next(iter(unlike))
+        raise checks.ResumeDiverged(
+            "parameters or optimizer state after the resumed step differ in dtype or shape "
+            "from the uninterrupted run's",
+            details=f"{len(unlike)} of {len(after_uninterrupted)} tensors, first {first} ({unlike[first]}); "
+            f"{len(differing) - len(unlike)} others differ in value, by at most {worst:.3g}",
         )
     if differing:
         raise checks.ResumeDiverged(

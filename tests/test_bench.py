@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from matrix import bench
-from matrix.pipeline import PHASE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_CELLS = ("--model", "tiny-transformer", "--precision", "fp32", "--engine", "torch", "--device", "cpu")

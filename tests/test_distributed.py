@@ -323,3 +323,18 @@ def test_an_optimizer_state_lost_or_changed_across_a_reload_is_named():
     next(iter(restored.state.values()))["exp_avg"].add_(1.0)
     with pytest.raises(checks.CheckpointMismatch, match="optimizer state differs after reload"):
         checks.check_optimizer_state_restored(saved, restored)
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("nccl", "cuda:3"), ("gloo", "cpu")])
+def test_collectives_put_their_tensor_where_the_backend_reduces(backend, expected, monkeypatch):
+    """The rank-agreement collectives (matrix/group.py) on nccl need a CUDA tensor: a CPU one
+    raised "No backend type associated with device type cpu" in 420 one-rank cells of the
+    first GPU run (docs/GPU.md). The backend is simulated; the device chosen is real."""
+    import torch
+    import torch.distributed as dist
+
+    from matrix import group
+
+    monkeypatch.setattr(dist, "get_backend", lambda *args: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert str(group._collective_device()) == expected

@@ -262,3 +262,18 @@ def test_a_users_qlora_runs_the_quantized_precisions_with_no_failure_of_the_harn
             "train_steps: matrix.checks.DtypeContractBroken: after training: a parameter was torch.float32, "
             "is now torch.bfloat16"
         )
+
+
+def test_a_view_of_what_a_library_cast_keeps_the_library_dtypes():
+    """DeepSpeed casts every floating parameter to its half dtype, over a quantized base too; the
+    harness's plain view of its module (libraries/deepspeed.plain_copy) must show that dtype,
+    where a copy into a fresh model's own dtypes would show fp32 whatever the library held."""
+    source = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).half()
+    into_own = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    into_source = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert quantization.copy_float_weights(source, into_own) == []
+    assert quantization.copy_float_weights(source, into_source, source_dtypes=True) == []
+    assert {p.dtype for p in into_own.parameters()} == {torch.float32}
+    assert {p.dtype for p in into_source.parameters()} == {torch.float16}
+    assert torch.equal(into_source[0].weight, source[0].weight)
+    assert into_source[0].weight.data_ptr() != source[0].weight.data_ptr()  # a copy, not the library's tensor

@@ -147,6 +147,24 @@ def test_the_step_comparison_alone_catches_the_lost_state(tmp_path):
         resume.check_same_step(state, [losses], _tensors(forgetful), [reference], _tensors(run))
 
 
+def test_a_resumed_run_holding_a_weight_in_another_dtype_is_named_apart(tmp_path):
+    """Equal values in another dtype (a reload that keeps a declared module fp32 where the run
+    cast it to half) are a divergence of their own, with the first such tensor in the details."""
+    state, run = _state(tmp_path), _trained()
+    again = run.reloaded()
+    torch.manual_seed(1)
+    losses, _ = again.step()
+    torch.manual_seed(1)
+    reference, _ = run.step()
+    resumed = _tensors(again)
+    resumed["parameter 0.bias"] = resumed["parameter 0.bias"].double()
+    with pytest.raises(checks.ResumeDiverged, match="differ in dtype or shape") as raised:
+        resume.check_same_step(state, [losses], resumed, [reference], _tensors(run))
+    first = "first parameter 0.bias (torch.float64 (16,) resumed, torch.float32 (16,) uninterrupted)"
+    assert raised.value.details.startswith(f"1 of 16 tensors, {first}")
+    assert raised.value.details.endswith("0 others differ in value, by at most 0")
+
+
 def test_a_lost_scaler_state_fails(tmp_path):
     state, run = _state(tmp_path, precision="fp16-mixed"), _trained()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -30,7 +30,7 @@ import torch
 from matrix import checks
 from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, one_switch_unsupported, register
 from matrix.engines.distributed import DistributedEngine, GatheredWeights, set_launcher_environment
-from matrix.libraries.accelerate import reset_accelerate
+from matrix.libraries.accelerate import reset_accelerate, resume_from_saved_state
 from matrix.measurements import fresh_model, loss_weight
 from matrix.precisions import Precision, dtype_name
 from matrix.results.metrics import UNSET
@@ -197,11 +197,7 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
         return in_precision
 
     def restore(self, state, directory, training: bool) -> AccelerateFSDP2Run:
-        # a new Accelerator, a fresh model and optimizer, load_state
-        reset_accelerate()
-        run = self.start(state, fresh_model(state), training)
-        run.accelerator.load_state(str(directory))
-        return run
+        return resume_from_saved_state(self, state, directory, training)
 
     def cleanup(self, state) -> None:
         reset_accelerate()

@@ -14,8 +14,8 @@ import torch
 
 from matrix import checks
 from matrix.engines.base import EngineSettings, Loop, Unsupported, one_switch_unsupported, register
-from matrix.libraries.accelerate import reset_accelerate
-from matrix.measurements import fresh_model, same_weights_copy
+from matrix.libraries.accelerate import reset_accelerate, resume_from_saved_state
+from matrix.measurements import same_weights_copy
 from matrix.precisions import Precision
 
 
@@ -87,11 +87,7 @@ class AccelerateEngine(Loop):
         run.accelerator.save_state(str(directory))
 
     def restore(self, state, directory, training: bool) -> AccelerateRun:
-        # a resumed run starts a new Accelerator, as a new process would
-        reset_accelerate()
-        run = self.start(state, fresh_model(state), training)
-        run.accelerator.load_state(str(directory))
-        return run
+        return resume_from_saved_state(self, state, directory, training)
 
     def cleanup(self, state) -> None:
         reset_accelerate()

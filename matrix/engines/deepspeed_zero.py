@@ -177,7 +177,7 @@ class ZeroEngine(DistributedEngine, Loop):
 
     def weights(self, state, run: DeepSpeedRun):
         if run.plain is None or run.plain_at != run.steps:
-            run.plain, run.plain_at = ds.plain_copy(state, run.engine), run.steps
+            run.plain, run.plain_at = ds.plain_copy(state, run.engine, into=run.plain), run.steps
         return run.plain
 
     def master_weights(self, state, run: DeepSpeedRun) -> dict:

@@ -253,23 +253,21 @@ def full_state_dict(model) -> dict:
     return {k: v.detach().clone() for k, v in found.items()}
 
 
-def gathered_copy(state, model):
+def gathered_copy(state, model, into=None):
     """A plain model of the kind holding a sharded model's full weights, in the dtypes the
-    shards have (assigned, not copied into the plain model's own dtypes)."""
+    shards have (assigned, not copied into the plain model's own dtypes); `into` an earlier
+    copy of the same run's, filled again (measurements.model_holding)."""
     from matrix.measurements import model_holding
 
-    return model_holding(state, full_state_dict(model))
+    return model_holding(state, full_state_dict(model), into=into)
 
 
 class GatheredWeights:
-    """A sharded run's weights view, gathered once per step: every rank gathers alike (the
-    pipeline asks for the weights at the same points in every rank)."""
+    """A sharded run's weights view, gathered once per step into one plain model per run: every
+    rank gathers alike (the pipeline asks for the weights at the same points in every rank)."""
 
     @reads("model", "steps", "gathered", "gathered_at")
     def weights(self, state, run):
         if run.gathered is None or run.gathered_at != run.steps:
-            run.gathered, run.gathered_at = self.gather(state, run), run.steps
+            run.gathered, run.gathered_at = gathered_copy(state, run.model, into=run.gathered), run.steps
         return run.gathered
-
-    def gather(self, state, run):
-        return gathered_copy(state, run.model)

@@ -96,16 +96,17 @@ def module_state(engine) -> dict:
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
-def plain_copy(state, engine):
+def plain_copy(state, engine, into=None):
     """A plain model of the kind holding the engine's module weights in their dtypes (assigned);
-    over a quantized base, its floating tensors copied onto a base quantized alike."""
+    over a quantized base, its floating tensors copied onto a base quantized alike. `into`: an
+    earlier copy of the same run's, filled again (measurements.model_holding)."""
     if state.precision.quantization is None:
-        return model_holding(state, module_state(engine))
+        return model_holding(state, module_state(engine), into=into)
     from matrix.quantization import copy_float_weights
 
     plain = fresh_model(state)
     with gathered(engine):
-        copy_float_weights(engine.module, plain)
+        copy_float_weights(engine.module, plain, source_dtypes=True)
     return plain
 
 
