@@ -6,7 +6,6 @@ its own state in its run (matrix/engines/base.py), not here.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +83,6 @@ class CellState:
     # the learning rate, established on demand (the pipeline sets how: kind_traits)
     rate: Callable[[], float] | None = None
     in_ranks: bool = False  # a distributed engine's driver: the ranks hold the cell (engines/distributed.py)
-    loaded: dict = field(default_factory=dict)  # directory -> an untouched copy of the kind's load of it
     # ---- what the pipeline's phases hand on
     run: object | None = None  # the engine's run: its model, optimizer, scaler, in its own types
     restored: object | None = None  # the run the engine resumed from its own checkpoint
@@ -137,19 +135,10 @@ class CellState:
 
     def load(self, directory: Path) -> torch.nn.Module:
         """The kind's own load of a checkpoint directory in the cell's precision (from_pretrained
-        and the like). A directory loaded before in this cell (the plain reload and an engine's
-        resume read the same files) gives a copy of that load, which reading the same files again
-        would give too; a quantized base is read each time."""
-        kept = self.loaded.get(directory)
-        if kept is not None:
-            return copy.deepcopy(kept)
-        model = self.kind.load(directory, self.precision, self.device, self.workdir)
-        if self.precision.quantization is None:
-            try:
-                self.loaded[directory] = copy.deepcopy(model)
-            except (TypeError, RuntimeError, NotImplementedError):  # a model that does not copy: read again
-                pass
-        return model
+        and the like), read from the files each time: a copy of an earlier load would hold its
+        weights in other memory than a load does (memory-mapped, as safetensors leaves them),
+        which some kernels compute differently with (cpu-grouped-mm-depends-on-weight-alignment)."""
+        return self.kind.load(directory, self.precision, self.device, self.workdir)
 
     def eval_grad_context(self):
         """The grad mode evaluation runs in: no_grad, or inference_mode if the variant says so."""

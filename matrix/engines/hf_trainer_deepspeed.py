@@ -117,6 +117,25 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         finally:
             unset_hf_deepspeed_config()
 
+    def hold(self, state, run: TrainerRun) -> None:
+        """What the loop holds, read from a callback: inside the Trainer's call, where its config
+        is in force, so the models the harness builds for its views (plain copies of the module)
+        would be built partitioned, and a quantized base refused ("DeepSpeed Zero-3 is not
+        compatible with passing a `device_map`"). They are built as in a new process."""
+        from transformers.integrations.deepspeed import (
+            deepspeed_config,
+            set_hf_deepspeed_config,
+            unset_hf_deepspeed_config,
+        )
+
+        in_force = deepspeed_config() is not None
+        unset_hf_deepspeed_config()
+        try:
+            super().hold(state, run)
+        finally:
+            if in_force:
+                set_hf_deepspeed_config(run.trainer.args.hf_deepspeed_config)
+
     def step_ended(self, state, run: TrainerRun, loss: float) -> None:
         super().step_ended(state, run, self.whole_batch_loss(state, run, loss))
 
