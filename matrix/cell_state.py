@@ -6,6 +6,7 @@ its own state in its run (matrix/engines/base.py), not here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,20 @@ class CellState:
         with torch.random.fork_rng(devices=self.device_kind.rng_devices(self.device)):
             return self.kind.build(precision or self.precision, self.device, self.workdir)
 
+    def scratch_model(self, precision: Precision | None = None) -> torch.nn.Module:
+        """A fresh model of the kind in `precision` for the harness's own comparisons (an fp32
+        reference, a copy free of a library's wrappers), never handed to an engine nor saved: a
+        copy of one built once per process for the kind, variant, precision and device (building
+        costs more than copying). A quantized base is built each time."""
+        precision = precision or self.precision
+        if precision.quantization is not None:
+            return self.fresh_model(precision)
+        key = (type(self.kind), self.kind.name, self.kind.variant, precision.name, str(self.device))
+        pristine = _PRISTINE.get(key)
+        if pristine is None:
+            pristine = _PRISTINE[key] = self.fresh_model(precision)
+        return copy.deepcopy(pristine)
+
     def load(self, directory: Path) -> torch.nn.Module:
         """The kind's own load of a checkpoint directory in the cell's precision (from_pretrained
         and the like), read from the files each time: a copy of an earlier load would hold its
@@ -154,3 +169,7 @@ class CellState:
             return storage_expectations(model, weights, self.precision.quantization, self.precision.weights_dtype)
         loaded = self.kind.loaded_in_dtype(self.precision, reloaded=False)
         return declared_dtypes.expected_dtypes(weights, model, self.precision.weights_dtype, loaded)
+
+
+# CellState.scratch_model's models, as built: (kind class, name, variant, precision, device) -> model
+_PRISTINE: dict[tuple, torch.nn.Module] = {}

@@ -196,7 +196,7 @@ def fp32_reference_model(state: CellState, model):
     Built anew rather than copied, so that nothing an engine wrapped around the model (an
     autocast forward, an output converter) comes along.
     """
-    reference = state.fresh_model(PRECISIONS["fp32"])
+    reference = state.scratch_model(PRECISIONS["fp32"])
     reference.load_state_dict({name: tensor.float() for name, tensor in model.state_dict().items()})
     return reference.eval()
 
@@ -245,8 +245,9 @@ def fresh_model(state: CellState):
 
 def same_weights_copy(state: CellState, model):
     """A fresh model of the kind in the precision, holding `model`'s weights: free of any
-    forward wrapper a library put on `model`, so outputs compare like with like."""
-    copy_ = fresh_model(state)
+    forward wrapper a library put on `model`, so outputs compare like with like (a scratch
+    model: compared, never saved)."""
+    copy_ = state.scratch_model()
     if state.precision.quantization is None:
         copy_.load_state_dict(model.state_dict())
         return copy_

@@ -400,7 +400,7 @@ def check_quantization_error(state: CellState, model, value: float, label: str) 
     trained adapters (the rest as created), within its scheme's row (matrix/tolerances.py)."""
     from matrix.quantization import copy_float_weights
 
-    twin = state.fresh_model(PRECISIONS["fp32"])
+    twin = state.scratch_model(PRECISIONS["fp32"])
     missing = copy_float_weights(model, twin, trainable_only=True)
     if missing:
         raise checks.CheckFailure(

@@ -97,6 +97,15 @@ def test_a_call_past_its_timeout_kills_every_rank(group):
     assert group.starts == starts + 1
 
 
+@pytest.mark.parametrize("rows", [5, 1, 8])  # 5: unequal shards; 1: a rank with none; 8: equal
+def test_the_harness_gathers_fsdp2_shards_as_torch_does(group, rows):
+    """The weights view of a sharded run gathers FSDP2's shards in one collective per dtype; it
+    must give back what torch's get_model_state_dict gives, bit for bit, on every rank."""
+    for answer in group.call("rank_calls:gathered_like_torch", rows, timeout_s=120):
+        assert answer["one_collective_per_dtype"] and answer["names"] and answer["equal"], answer
+        assert answer["shapes"]["0.weight"] == [rows, 3] and answer["shapes"]["2.weight"] == [1, rows]
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine, tmp_path):
     """The loss of the first step is the whole batch's mean, from two ranks' halves."""

@@ -192,7 +192,7 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
     def exported(self, state, run: AccelerateFSDP2Run):
         """The trained weights read in the cell's precision: the gathered weights (fp32 master
         weights under mixed precision) copied into a model in the precision's dtypes."""
-        in_precision = fresh_model(state)
+        in_precision = state.scratch_model()  # compared, never saved
         in_precision.load_state_dict(self.weights(state, run).state_dict())
         return in_precision
 

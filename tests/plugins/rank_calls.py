@@ -38,3 +38,32 @@ def sleep_on(context, rank, seconds):
     if context.rank == rank:
         time.sleep(seconds)
     return context.rank
+
+
+def gathered_like_torch(context, rows):
+    """FSDP2 shards of a model with `rows` rows in its layers, gathered by the harness's one
+    collective per dtype (engines/distributed.full_state_dict) and by torch's
+    get_model_state_dict: whether every tensor came back bit for bit, in the same names."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from matrix.engines.distributed import _gathered_along_dim0, full_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, rows), torch.nn.LayerNorm(rows), torch.nn.Linear(rows, 1, bias=False)
+    )
+    model[1].to(torch.bfloat16)  # a second dtype: a second collective
+    model.register_buffer("scale", torch.arange(rows, dtype=torch.float32))
+    fully_shard(model[0])
+    fully_shard(model)
+    ours = full_state_dict(model)
+    one_collective_per_dtype = _gathered_along_dim0(model.state_dict()) is not None
+    theirs = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {
+        "one_collective_per_dtype": one_collective_per_dtype,
+        "names": list(ours) == list(theirs),
+        "equal": all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in theirs),
+        "shapes": {k: list(v.shape) for k, v in ours.items()},
+    }
