@@ -143,9 +143,12 @@ class CellState:
         if precision.quantization is not None:
             return self.fresh_model(precision)
         key = (type(self.kind), self.kind.name, self.kind.variant, precision.name, str(self.device))
-        pristine = _PRISTINE.get(key)
+        pristine = _PRISTINE.pop(key, None)
         if pristine is None:
-            pristine = _PRISTINE[key] = self.fresh_model(precision)
+            pristine = self.fresh_model(precision)
+        _PRISTINE[key] = pristine  # the most recently used last
+        while len(_PRISTINE) > PRISTINE_KEPT:
+            _PRISTINE.pop(next(iter(_PRISTINE)))
         return copy.deepcopy(pristine)
 
     def load(self, directory: Path) -> torch.nn.Module:
@@ -171,5 +174,9 @@ class CellState:
         return declared_dtypes.expected_dtypes(weights, model, self.precision.weights_dtype, loaded)
 
 
-# CellState.scratch_model's models, as built: (kind class, name, variant, precision, device) -> model
+# CellState.scratch_model's models, as built: (kind class, name, variant, precision, device) ->
+# model, the least recently used first. A cell asks for two (fp32 and its own precision), and the
+# cells of one model and precision run one after another (the engine axis varies fastest); more
+# would hold a pretrained model per precision and explored variant to the end of a run.
+PRISTINE_KEPT = 4
 _PRISTINE: dict[tuple, torch.nn.Module] = {}

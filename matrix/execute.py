@@ -79,6 +79,7 @@ def run_cell(
     (raises InvalidVariant for settings the kind cannot take). `timeout_s`: the cell's own limit;
     an engine that waits on other processes gives up at DEADLINE_SHARE of it, so that it, not
     the harness's kill, records which process did not answer."""
+    settle_garbage()  # before anything of the cell exists
     kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
     precision = PRECISIONS[cell.precision]
     if kind.variant.grad_accumulation is not None:
@@ -111,7 +112,6 @@ def run_cell(
                 _record_failure(result, "configure", exc)
                 return result
     run_phase = distributed.run_phase if engine.distributed else pipeline.run_phase
-    settle_garbage()
     try:
         for name in names:
             began = time.perf_counter()

@@ -2,16 +2,21 @@
 cross-engine agreement, and isolation between cells."""
 
 import dataclasses
+import gc
 import random
+import weakref
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 
+from matrix import cell_state
 from matrix.cell import Cell
+from matrix.cell_state import CellState
 from matrix.engines import ENGINES
 from matrix.execute import run_cell
 from matrix.libraries.trainer import trainer_classes
+from matrix.measurements import FULL_COLLECTION_EVERY, settle_garbage
 from matrix.models import MODELS
 from matrix.precisions import PRECISIONS
 
@@ -111,6 +116,68 @@ def test_engines_agree_with_the_torch_engine_on_the_first_step(engine, tmp_path)
     agreement = result.metrics.cross_engine
     assert agreement.spread_abs <= 1e-5
     assert all(state == "passed" for state in result.phases.values())
+
+
+@pytest.mark.parametrize("engine", ["torch", "hf-trainer", "lightning", "accelerate"])
+def test_a_cells_models_are_freed_when_it_ends(engine, tmp_path):
+    """Every module that ran a forward in a cell (the run, the restored run, the reloaded
+    export, the harness's references) is garbage once the cell ends: in a run of many cells of
+    a pretrained model, what each cell kept added up to the OOM killer's SIGKILL. The cell runs
+    twice and the second is watched: a library's first import may keep the frames it was
+    imported from (and a first cell's state with them) once per process."""
+    cell = Cell("tiny-llama", "fp32", "train", "cpu", engine)
+    assert run_cell(cell, tmp_path / "first").outcome == "passed"
+    ran = weakref.WeakSet()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: ran.add(module))
+    try:
+        result = run_cell(cell, tmp_path / "second")
+    finally:
+        handle.remove()
+    assert result.outcome == "passed", result.message
+    assert len(ran) > 0
+    gc.collect()
+    kept = sorted({type(module).__name__ for module in ran})
+    assert not kept, f"modules the cell ran are still alive after it: {kept}"
+
+
+def test_what_outlives_a_settle_and_is_then_let_go_is_collected_within_the_full_collection_period():
+    """settle_garbage() freezes the survivors before each cell; one that a later cell lets go in
+    a reference cycle (a cache's evicted model) is collected at the next full collection."""
+
+    class Held:
+        pass
+
+    held = Held()
+    held.itself = held  # a reference cycle: only the collector frees it
+    alive = weakref.ref(held)
+    settle_garbage()
+    del held
+    gc.collect()
+    assert alive() is not None, "frozen survivors are not collected until they are unfrozen"
+    for _ in range(FULL_COLLECTION_EVERY):
+        settle_garbage()
+    assert alive() is None
+
+
+def test_scratch_models_are_fresh_copies_and_only_the_last_few_are_kept(tmp_path):
+    """The harness's scratch models equal a fresh build, are never the same object twice, and
+    the built ones it copies from are bounded: a pretrained model per precision (and per
+    explored variant) held to the end of a run would add up like a leak."""
+    kept = cell_state.PRISTINE_KEPT
+    names = ["fp32", "bf16-true", "fp16-true", "bf16-mixed", "fp16-mixed", "bf16-loaded-mixed"]
+    assert len(names) > kept
+    for name in names:
+        cell = Cell("tiny-llama", name, "eval", "cpu")
+        state = CellState(cell, MODELS["tiny-llama"], PRECISIONS[name], torch.device("cpu"), tmp_path, {})
+        first, second = state.scratch_model(), state.scratch_model()
+        fresh = state.fresh_model()
+        assert first is not second
+        dicts = first.state_dict(), second.state_dict(), fresh.state_dict()
+        for (n, a), b, c in zip(dicts[0].items(), dicts[1].values(), dicts[2].values(), strict=True):
+            assert a.dtype == c.dtype and torch.equal(a, c), n
+            assert a.data_ptr() != b.data_ptr(), f"{n}: two scratch models share memory"
+        assert len(cell_state._PRISTINE) <= kept
+    assert [key[3] for key in cell_state._PRISTINE][-kept:] == names[-kept:]
 
 
 ISOLATION_CELLS = [
