@@ -39,9 +39,9 @@ TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
 DEFAULT_EXTRAS = ("quantized",)
 
 
-# pip compiles every module it installs (torch's and transformers' thousands): 32 s of a venv's
-# 66 s here. Left to Python, only the modules a process imports are compiled, once, on first
-# import (7 s more for the stack's); the environment's processes write the bytecode (below).
+# pip compiles every module it installs (torch's and transformers' thousands), about half of
+# a venv's install. Left to Python, only the modules a process imports are compiled, once, on
+# first import; the environment's processes write the bytecode (below).
 NO_COMPILE = ("--no-compile",)
 
 
