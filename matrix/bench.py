@@ -12,11 +12,15 @@ repeat an option, win):
 - floor: importing what the runs imported, once (a fresh `python -c "import ..."` of the stack's
   modules the timed runs had loaded by their end, as matrix/bench_probe.py reports them; timed
   from outside, median) plus the cells' own compute (the sum of their `duration_s` in
-  results.json, median over runs): what the matrix would take if running it cost nothing else;
+  results.json, and of each kind's one-time work before its first cell, `kind_setups`; median
+  over runs): what the matrix would take if running it cost nothing else;
 - overhead ratio: matrix wall (median) / floor;
 - process-per-cell: the same cells, each in a fresh `python -m pytest <node id>` as a naive
   runner would, one after another (`--per-cell-sample K`: K cells spread over the selection,
   the total extrapolated linearly); speed-up: process-per-cell total / matrix wall (median);
+- per engine (`--per-engine`): the CPU matrix over every engine, once: each engine's cells per
+  mode (how many ran, their total, the median cell) and its slowest phase
+  (matrix/results/phase_costs.py);
 - the targets below, each met or missed, and by how much.
 
 The report (Markdown) goes to stdout; `--write` also writes it to BENCHMARKS.md, `--json FILE`
@@ -167,7 +171,10 @@ def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_di
             run = {
                 "wall_s": wall,
                 "exit_status": done.returncode,
-                "compute_s": sum(cell["duration_s"] for cell in cells),
+                # the cells' own time, and each kind's one-time work before its first cell (which
+                # a cell's duration_s leaves out: matrix/kind_setup.py)
+                "compute_s": sum(cell["duration_s"] for cell in cells)
+                + sum(setup["seconds"] for setup in results.get("kind_setups", [])),
                 "cells": [cell["id"] for cell in cells],
                 "counts": results["counts"],
                 "whole_torch_cpu_matrix": is_whole_torch_cpu_matrix(cells, results["run"]["axes"]),
@@ -458,7 +465,8 @@ def report_markdown(f: dict) -> str:
         f"| speed-up = process-per-cell / wall | {f['speedup']:.1f}x |",
         "",
         "The floor is what the matrix would take if running it cost nothing beyond importing the stack once "
-        "and each cell's own compute (`duration_s` in results.json). The import is of "
+        "and each cell's own compute (`duration_s` in results.json, and each kind's one-time work before its "
+        "first cell, `kind_setups`). The import is of "
         + ", ".join(f"`{name}`" for name in fl["modules"])
         + (
             ": what the runs had imported."

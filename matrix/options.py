@@ -1,7 +1,13 @@
-"""Every command-line option of a matrix run, in one table: the pytest plugin adds them to
-pytest (matrix/plugin.py), and `python -m matrix run` reads the ones it needs from the same
-table before it starts pytest (matrix/runner.py). Values are checked here, once, with one-line
-messages. Standard library only.
+"""The matrix's command-line options, in one table (OPTIONS): the pytest plugin adds them to
+pytest (matrix/plugin.py), and `python -m matrix run` parses the ones it needs (runner_needs)
+from the same table before it starts pytest, and lists them in its --help (matrix/runner.py).
+
+An option with a check (the timeouts, --world-size, the --explore-* numbers) is checked here,
+once, with a one-line message naming it; the others are checked where they are read: the axis
+values by matrix/selection.py, --shard by matrix/shards.py, --cuda-device by matrix/devices/,
+--run-id by matrix/results/journal.py. Also here: a command line with the options' values
+joined to them (so pytest takes no value for a test path), and the -p plugin arguments a cell's
+re-run command carries. Standard library only (and matrix/cell.py's axis names).
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from dataclasses import dataclass
 from matrix.cell import AXES
 
 CELL_TIMEOUT_S = 120.0  # the slowest honest cell measured on a quiet 2-core CPU takes 0.7 s
+# a kind's one-time work (matrix/kind_setup.py): a pretrained kind's learning-rate search on a
+# loaded 2-core machine, with room
+KIND_SETUP_TIMEOUT_S = 600.0
 
 
 class OptionError(ValueError):
@@ -103,6 +112,16 @@ OPTIONS: tuple[Option, ...] = (
         f"a cell running longer fails with a timeout signature (default {CELL_TIMEOUT_S:g}; python -m matrix run "
         "also kills a process stuck past it)",
         default=str(CELL_TIMEOUT_S),
+        metavar="S",
+        check=positive_seconds,
+        runner_needs=True,
+    ),
+    Option(
+        "--kind-setup-timeout",
+        "a kind's one-time work (observing it, searching its learning rate), done before its first cell and "
+        f"outside that cell's timeout, gets this long; past it, the kind's cells fail with KindSetupTimedOut "
+        f"(default {KIND_SETUP_TIMEOUT_S:g})",
+        default=str(KIND_SETUP_TIMEOUT_S),
         metavar="S",
         check=positive_seconds,
         runner_needs=True,

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ from matrix.runner import COMMAND_VARIABLE
 from matrix.shards import parse_shard, shard_cells
 
 RESULT_PROPERTY = "matrix_result"
+KIND_SETUP_PROPERTY = "matrix_kind_setup"
 EXPLORATION_PROPERTY = "matrix_exploration"
 AXES_PROPERTY = "matrix_cell"
 EXPLORE_TIMEOUT_MARGIN_S = 600
@@ -251,7 +253,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_cell_item(item):
             item.user_properties.append((AXES_PROPERTY, item.callspec.params["cell"].axes()))
-            item.add_marker(pytest.mark.timeout(option(config, "matrix_cell_timeout")))
+            # the call only: the kind's one-time work in the setup before it has a budget of its own
+            item.add_marker(pytest.mark.timeout(option(config, "matrix_cell_timeout"), func_only=True))
         if is_exploration_item(item):
             explorations += not any(m.name == "skip" for m in item.iter_markers())
             # pytest-timeout's per-test limit fits a cell, not a search that may get the whole
@@ -316,6 +319,36 @@ def isolated_torch_state():
     os.environ.clear()
     os.environ.update(env)
     assert not torch.is_autocast_enabled("cpu"), "a cell left CPU autocast enabled"
+
+
+@dataclass(frozen=True)
+class EstablishedKind:
+    """What test_cell gets from its setup: the catalogue entries in force for the cell (those
+    that select by a trait ask the kind's, established just before), and what stops the cell."""
+
+    claims: list
+    blocked: BaseException | None = None
+
+
+@pytest.fixture
+def established_kind(cell, request) -> EstablishedKind:
+    """The cell's kind's one-time work (matrix/kind_setup.py), done in this process before its
+    first cell: in the test's setup, which the cell's timeout does not cover, under a budget of
+    its own (--kind-setup-timeout). Its record goes with the test's reports. A kind whose work
+    ran out of its budget in this process stops the cell before it starts."""
+    from matrix import kind_setup
+    from matrix.models import MODELS
+
+    config = request.config
+    kind = MODELS[cell.model]
+    setup = kind_setup.establish(kind, cell.mode == "train", option(config, "matrix_kind_setup_timeout"))
+    if setup is not None:
+        request.node.user_properties.append((KIND_SETUP_PROPERTY, setup.as_dict()))
+    blocking = kind_setup.blocking(kind)
+    if blocking is not None:  # no entry is asked: its traits are what ran out of time
+        reason = f"{kind.name}'s one-time work ran past --kind-setup-timeout {blocking.budget_s:g} s: {blocking.error}"
+        return EstablishedKind(claims=[], blocked=kind_setup.KindSetupTimedOut(reason))
+    return EstablishedKind(claims=config.stash[catalogue_key].in_force(cell, config.stash[installed_key]))
 
 
 def rerun_command(config, nodeid: str, cell: Cell) -> str:
@@ -448,6 +481,9 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report):
         properties = dict(report.user_properties)
+        if report.when == "setup" and report.passed and "::test_cell[" in report.nodeid:
+            # the cell's own clock starts now, after its kind's one-time work (python -m matrix run)
+            self.run.cell_set_up(cell_id_from_nodeid(report.nodeid), properties.get(KIND_SETUP_PROPERTY))
         if EXPLORATION_PROPERTY in properties:
             if report.when == "call":
                 self.run.store_exploration(properties[EXPLORATION_PROPERTY])

@@ -27,12 +27,12 @@ class KnownFailure(Exception):
     """A cell failed exactly as a catalogue entry in force says it does."""
 
 
-def test_cell(cell, tmp_path, request, isolated_torch_state):
+def test_cell(cell, tmp_path, request, isolated_torch_state, established_kind):
     from matrix import plugin
     from matrix.execute import run_and_record
 
     config = request.config
-    claims = config.stash[plugin.catalogue_key].in_force(cell, config.stash[plugin.installed_key])
+    claims = established_kind.claims
     if claims:
         request.node.add_marker(
             pytest.mark.xfail(
@@ -51,6 +51,8 @@ def test_cell(cell, tmp_path, request, isolated_torch_state):
         run_contradictory=config.getoption("matrix_run_contradictory"),
         rerun=rerun,
         timeout_s=plugin.option(config, "matrix_cell_timeout"),
+        claims=claims,
+        blocked=established_kind.blocked,
     )
     request.node.user_properties.append((plugin.RESULT_PROPERTY, done.record.as_dict()))
     if done.poison:  # this process's device context is gone: stop here, python -m matrix run resumes in a new one

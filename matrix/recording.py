@@ -34,6 +34,7 @@ class RunRecorder:
         self.started = time.time()
         self.records: dict[str, dict] = {}
         self.explorations: list[dict] = []
+        self.kind_setups: list[dict] = []  # matrix/kind_setup.py's records, one per kind and process
         self.selected: set[str] = set()
         self.journal: journal.Journal | None = None
         self.header: dict | None = None
@@ -47,6 +48,7 @@ class RunRecorder:
                 raise RunInUse(f"--matrix-resume: {self.directory} has no journal to resume")
             self.header, self.environment, self.precisions = state.run, state.environment, state.precisions
             self.records, self.explorations = dict(state.records), list(state.explorations)
+            self.kind_setups = list(state.kind_setups)
         else:
             try:  # claimed now, exclusively: a second run with this id stops here, before any cell
                 create_run_directory(self.reports_root, self.run_id)
@@ -78,6 +80,14 @@ class RunRecorder:
     def cell_started(self, cell: Cell, rerun: str | None) -> None:
         if self.journal is not None:
             self.journal.started(cell.id, cell.axes(), rerun)
+
+    def cell_set_up(self, cell_id: str | None, kind_setup: dict | None) -> None:
+        """The cell's setup is done (its kind's one-time work with it, if this was the kind's
+        first cell here): from now its own timeout runs."""
+        if kind_setup is not None:
+            self.kind_setups.append(kind_setup)
+        if self.journal is not None and cell_id is not None:
+            self.journal.set_up(cell_id, kind_setup)
 
     def store(self, record: CellRecord) -> None:
         self.records[record.id] = record.as_dict()
@@ -111,7 +121,12 @@ class RunRecorder:
         if restart_reason and missing:
             self.journal.write("restart", reason=restart_reason)  # python -m matrix run resumes the rest
         document = results_document(
-            run, self.environment, list(self.records.values()), self.explorations, self.precisions
+            run,
+            self.environment,
+            list(self.records.values()),
+            self.explorations,
+            self.precisions,
+            kind_setups=self.kind_setups,
         )
         write_documents(self.directory, document)
         point_latest(self.reports_root, self.directory)

@@ -25,7 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-from matrix.options import BY_FLAG, CELL_TIMEOUT_S, OPTIONS, OptionError, add_arguments, joined_values, runner_options
+from matrix.options import (
+    BY_FLAG,
+    CELL_TIMEOUT_S,
+    KIND_SETUP_TIMEOUT_S,
+    OPTIONS,
+    OptionError,
+    add_arguments,
+    joined_values,
+    runner_options,
+)
 from matrix.results import journal, run_directory
 
 COMMAND_VARIABLE = "MATRIX_RUN_COMMAND"  # the command the user typed, recorded in the report
@@ -92,10 +101,19 @@ def signal_name(returncode: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, pytest_args: list[str], reports_root: Path, run_id: str, cell_timeout: float) -> None:
+    def __init__(
+        self,
+        pytest_args: list[str],
+        reports_root: Path,
+        run_id: str,
+        cell_timeout: float,
+        kind_setup_timeout: float = KIND_SETUP_TIMEOUT_S,
+    ) -> None:
         self.pytest_args, self.reports_root, self.run_id = pytest_args, reports_root, run_id
         self.directory = reports_root / run_id
         self.cell_timeout = cell_timeout
+        self.kind_setup_timeout = kind_setup_timeout
+        self.overrun_s = cell_timeout  # the limit the cell that was stopped ran past
         self.child: subprocess.Popen | None = None
         self.stopping = 0  # the signal that ends the run, once one came
         self.crashed: list[str] = []
@@ -166,16 +184,24 @@ class Supervisor:
         return (self.directory / "results.json").stat().st_mtime >= started_at - 1
 
     def watch(self) -> str | None:
-        """Wait for the child; stop it when a cell overruns. Returns the overrunning cell's id."""
-        limit = self.cell_timeout + grace_s(self.cell_timeout)
+        """Wait for the child; stop it when a cell overruns. Returns the overrunning cell's id. A cell
+        whose setup is not done yet may be doing its kind's one-time work: that has its own budget
+        (--kind-setup-timeout); the cell's own clock starts when its setup is done."""
+        cell_limit = self.cell_timeout + grace_s(self.cell_timeout)
+        setup_limit = self.kind_setup_timeout + grace_s(self.kind_setup_timeout)
         tail = journal.Tail(self.directory)
         while self.child.poll() is None:
             time.sleep(POLL_S)
             if self.stopping:
                 continue
-            running = tail.update().in_flight()
-            overdue = [cell for cell, (started, _) in running.items() if time.time() - started > limit]
+            state = tail.update()
+            overdue = [
+                cell
+                for cell, (started, _) in state.in_flight().items()
+                if time.time() - started > (cell_limit if cell in state.set_up else setup_limit)
+            ]
             if overdue:
+                self.overrun_s = self.cell_timeout if overdue[0] in state.set_up else self.kind_setup_timeout
                 # SIGABRT first: faulthandler writes every thread's stack, which says where it hung
                 self.child.send_signal(signal.SIGABRT)
                 try:
@@ -198,8 +224,8 @@ class Supervisor:
                 cell = Cell(**axes)
                 rerun = state_reruns.get(cell_id)
                 if cell_id == timed_out:
-                    record = timeout_record(cell, self.cell_timeout, stacks, rerun=rerun)
-                    what = f"timed out after {self.cell_timeout:g} s"
+                    record = timeout_record(cell, self.overrun_s, stacks, rerun=rerun)
+                    what = f"timed out after {self.overrun_s:g} s"
                 else:
                     record = crash_record(
                         cell, f"killed by {signal_name(returncode)}", stacks, time.time() - started, rerun=rerun
@@ -224,7 +250,7 @@ class Supervisor:
 
 
 # The matrix's options this supervisor acts on itself (all of them go on to pytest too)
-SUPERVISOR_OPTIONS = ("--cell-timeout", "--run-id", "--report-dir")
+SUPERVISOR_OPTIONS = ("--cell-timeout", "--kind-setup-timeout", "--run-id", "--report-dir")
 REFUSED_OPTIONS = ("--no-report",)  # check_input says why
 HELP_DESCRIPTION = """\
 The matrix in one pytest process that survives crashes and hangs: a cell that kills the
@@ -290,6 +316,7 @@ def main(argv: list[str]) -> int:
         return 2
     pytest_args = joined_values(argv)  # which tests: the paths given, else pytest's testpaths (here: cases/)
     timeout = options.matrix_cell_timeout or CELL_TIMEOUT_S
+    setup_timeout = options.matrix_kind_setup_timeout or KIND_SETUP_TIMEOUT_S
     # the report records the command the user typed, not the pytest process started for it
     os.environ[COMMAND_VARIABLE] = shlex.join(["python", "-m", "matrix", "run", *argv])
-    return Supervisor(pytest_args, reports_root, run_id, timeout).run()
+    return Supervisor(pytest_args, reports_root, run_id, timeout, setup_timeout).run()

@@ -55,7 +55,7 @@ def test_run_help_lists_its_options_and_the_matrix_options(tmp_path, args):
     assert text.startswith("usage: python -m matrix run [-h] [options] [pytest args]"), text[:300]
     listed = re.findall(r"^  (-p|--[a-z-]+)", text, flags=re.MULTILINE)
     # this command's own, then the rest of the matrix's (--no-report is refused here, --matrix-resume internal)
-    own = ["--cell-timeout", "--run-id", "--report-dir", "-p"]
+    own = ["--cell-timeout", "--kind-setup-timeout", "--run-id", "--report-dir", "-p"]
     rest = [o.flag for o in options.OPTIONS if o.flag not in (*own, "--no-report") and not o.hidden]
     assert listed == own + rest
     assert "\n  -h, --help " in text

@@ -32,9 +32,15 @@ def known_failure_index(records: list[dict]) -> dict[str, dict]:
 
 
 def results_document(
-    run: dict, environment: dict, records: list[dict], explorations: list[dict], precisions: dict
+    run: dict,
+    environment: dict,
+    records: list[dict],
+    explorations: list[dict],
+    precisions: dict,
+    kind_setups: list[dict] = (),
 ) -> dict:
-    """The whole run; `precisions` is the table the cells ran with (matrix/precisions.py table())."""
+    """The whole run; `precisions` is the table the cells ran with (matrix/precisions.py table());
+    `kind_setups`: each kind's one-time work, per process (matrix/kind_setup.py)."""
     records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))
     return {
         "schema_version": SCHEMA_VERSION,
@@ -46,4 +52,5 @@ def results_document(
         "signatures": signature_index(records),
         "known_failures": known_failure_index(records),
         "explorations": list(explorations),
+        "kind_setups": sorted(kind_setups, key=lambda s: (s["kind"], s["training"], s["pid"])),
     }

@@ -66,6 +66,11 @@ class Journal:
         and the command that re-runs it, for the record of a cell that never finishes."""
         self.write("start", cell=cell_id, axes=axes, rerun=rerun, pid=os.getpid())
 
+    def set_up(self, cell_id: str, kind_setup: dict | None = None) -> None:
+        """The cell's setup is done, its kind's one-time work (matrix/kind_setup.py) with it:
+        the cell's own clock starts here."""
+        self.write("set_up", cell=cell_id, kind_setup=kind_setup)
+
     def cell(self, record: dict) -> None:
         self.write("cell", record=record)
 
@@ -86,6 +91,8 @@ class JournalState:
     restarts: list[float] = field(default_factory=list)  # a process stopped for a fresh one to go on
     started: dict[str, tuple[float, dict]] = field(default_factory=dict)  # cell id -> (start time, axes)
     reruns: dict[str, str | None] = field(default_factory=dict)  # cell id -> its re-run command
+    set_up: set[str] = field(default_factory=set)  # cells whose setup (their kind's one-time work) is done
+    kind_setups: list[dict] = field(default_factory=list)  # matrix/kind_setup.py's records
 
     def in_flight(self) -> dict[str, tuple[float, dict]]:
         """Cells that started and have no record: running now, or running when the process died."""
@@ -134,6 +141,12 @@ class Tail:
         elif kind == "start":
             state.started[event["cell"]] = (event["time"], event["axes"])
             state.reruns[event["cell"]] = event.get("rerun")
+        elif kind == "set_up":
+            if event["cell"] in state.started:  # the cell's own clock starts after its kind's work
+                state.started[event["cell"]] = (event["time"], state.started[event["cell"]][1])
+            state.set_up.add(event["cell"])
+            if event.get("kind_setup"):
+                state.kind_setups.append(event["kind_setup"])
         elif kind == "cell":
             state.records[event["record"]["id"]] = event["record"]
         elif kind == "exploration":

@@ -133,8 +133,14 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
         dict.fromkeys([*warnings, *(w for document, _ in inputs for w in document["environment"].get("warnings", []))])
     )
     explorations = [e for document, _ in inputs for e in document.get("explorations", [])]
+    kind_setups = [s for document, _ in inputs for s in document.get("kind_setups", [])]
     return results_document(
-        run, environment, [record for record, _ in records.values()], explorations, first.get("precisions") or {}
+        run,
+        environment,
+        [record for record, _ in records.values()],
+        explorations,
+        first.get("precisions") or {},
+        kind_setups=kind_setups,
     )
 
 

@@ -78,7 +78,9 @@ def fold_journal(directory: Path, incomplete: bool = True) -> dict:
         records.append(crash_record(Cell(**axes), died, "", 0.0, rerun=state.reruns.get(cell_id)).as_dict())
     run.setdefault("duration_s", 0.0)
     run.setdefault("pytest_exit_status", None)
-    document = results_document(run, state.environment, records, state.explorations, state.precisions)
+    document = results_document(
+        run, state.environment, records, state.explorations, state.precisions, kind_setups=state.kind_setups
+    )
     write_documents(directory, document)
     point_latest(directory.parent, directory)
     return document
