@@ -86,7 +86,9 @@ NEW_TRACEBACK = (
 KNOWN_CELL = "tiny-transformer-bf16-mixed-eval-cpu-torch"
 NEW_CELL = "tiny-transformer-bf16-mixed-eval-cpu-accelerate"
 FIXED_CELL = "tiny-llama-bf16-mixed-train-cpu-accelerate"
-SKIPPED_CELL = "tiny-llama-fp32-eval-cuda-torch"
+SKIPPED_CELL = "tiny-llama-fp32-eval-cpu-accelerate"  # skipped alone: its row and column ran
+SKIP_REASON = "Requires: [an accelerate setting for gradients in another dtype than the weights]"
+NO_GPU = "Requires: [CUDA device] (none visible)"  # every cuda cell: left out of the grids
 PASSED_CELL = "tiny-llama-fp32-eval-cpu-torch"
 
 ALLOWED_TAGS = {
@@ -101,7 +103,7 @@ ALLOWED_ATTRIBUTES = {
 
 
 def records() -> list[dict]:
-    """cpu x {torch, accelerate}: every outcome; cuda x torch: skipped; no cuda x accelerate."""
+    """cpu x {torch, accelerate}: every outcome; cuda x torch: all skipped; no cuda x accelerate."""
     out = []
     for model in ("tiny-transformer", "tiny-llama"):
         for precision in ("fp32", "bf16-mixed"):
@@ -119,9 +121,11 @@ def records() -> list[dict]:
                         record.update(traceback=NEW_TRACEBACK)
                     elif cell.id == FIXED_CELL:
                         record.update(outcome="fixed", known_failure=dict(ENTRY))
+                    elif cell.id == SKIPPED_CELL:
+                        record = record_builders.skipped_record(cell, SKIP_REASON).as_dict()
                     out.append(record)
                 cuda = Cell(model, precision, mode, "cuda", "torch")
-                out.append(record_builders.skipped_record(cuda, "Requires: [CUDA device] (none visible)").as_dict())
+                out.append(record_builders.skipped_record(cuda, NO_GPU).as_dict())
     return out
 
 
@@ -217,12 +221,10 @@ def test_document_is_a_valid_results_document():
 def test_one_grid_per_device_and_engine_with_models_as_rows():
     dom = parse(html_report(document())).root
     grids = dom.find_all("table", **{"class": "grid"})
-    assert [(g.attrs["data-device"], g.attrs["data-engine"]) for g in grids] == [
-        ("cpu", "torch"),
-        ("cpu", "accelerate"),
-        ("cuda", "torch"),
-    ]
-    assert [g.find("caption").text() for g in grids] == ["cpu · torch", "cpu · accelerate", "cuda · torch"]
+    # cuda · torch skipped in every cell: not a grid, a line of "Not run here"
+    placed = [(g.attrs["data-device"], g.attrs["data-engine"]) for g in grids]
+    assert placed == [("cpu", "torch"), ("cpu", "accelerate")]
+    assert [g.find("caption").text() for g in grids] == ["cpu · torch", "cpu · accelerate"]
     for grid in grids:
         header, subheader, *rows = grid.find_all("tr")
         assert [th.text() for th in header.find_all("th")] == ["model", "fp32", "bf16-mixed"]
@@ -235,8 +237,9 @@ def test_each_grid_cell_is_coloured_by_its_outcome_and_links_to_its_details():
     doc = document()
     dom = parse(html_report(doc)).root
     tds = [td for td in dom.find_all("td") if "data-cell" in td.attrs]
-    assert sorted(td.attrs["data-cell"] for td in tds) == sorted(c["id"] for c in doc["cells"])
-    for cell in doc["cells"]:
+    on_cpu = [c for c in doc["cells"] if c["device"] == "cpu"]
+    assert sorted(td.attrs["data-cell"] for td in tds) == sorted(c["id"] for c in on_cpu)
+    for cell in on_cpu:
         td = dom.find("td", data_cell=cell["id"])
         assert td.attrs["class"] == f"outcome-{cell['outcome']}"
         assert td.find("a").attrs["href"] == f"#cell-{cell['id']}"
@@ -247,13 +250,14 @@ def test_each_grid_cell_is_coloured_by_its_outcome_and_links_to_its_details():
     assert dom.find("td", data_cell=FIXED_CELL).text() == "fixed K1"
     assert dom.find("td", data_cell=PASSED_CELL).text() == "✓"
     assert dom.find("td", data_cell=SKIPPED_CELL).text() == "skip"
-    assert "Requires: [CUDA device] (none visible)" in dom.find("td", data_cell=SKIPPED_CELL).attrs["title"]
+    assert SKIP_REASON in dom.find("td", data_cell=SKIPPED_CELL).attrs["title"]
 
 
-def test_every_cell_has_a_details_panel_with_signature_entry_metrics_and_rerun():
+def test_every_cell_in_a_grid_has_a_details_panel_with_signature_entry_metrics_and_rerun():
     doc = document()
     dom = parse(html_report(doc)).root
-    assert len(dom.find_all("section", **{"class": "detail"})) == len(doc["cells"])
+    panels = {section.attrs["id"] for section in dom.find_all("section", **{"class": "detail"})}
+    assert panels == {f"cell-{c['id']}" for c in doc["cells"] if c["device"] == "cpu"}
     new = detail_rows(dom, NEW_CELL)
     assert NEW_SIG.id in new["signature"].text() and NEW_SIG.text in new["signature"].text()
     assert new["message"].find("pre").text() == "ValueError: loss not finite"
@@ -267,7 +271,7 @@ def test_every_cell_has_a_details_panel_with_signature_entry_metrics_and_rerun()
     assert known["re-run"].text() == f"pytest 'cases/test_cells.py::test_cell[{KNOWN_CELL}]'"
     entry_links = {a.attrs["href"] for a in known["catalogue entry"].find_all("a")}
     assert {ENTRY["link"], "https://github.com/pytorch/pytorch/issues/132613", "#known-" + ENTRY["id"]} <= entry_links
-    assert detail_rows(dom, SKIPPED_CELL)["skip reason"].text() == "Requires: [CUDA device] (none visible)"
+    assert detail_rows(dom, SKIPPED_CELL)["skip reason"].text() == SKIP_REASON
 
 
 def test_signature_and_catalogue_tables_list_their_cells():
@@ -297,7 +301,7 @@ def test_header_environment_merged_runs_and_explorations():
     header = dom.find("header").text()
     for expected in ("run-html", "incomplete run", "warning: several different GPUs are visible", "abc123"):
         assert expected in header
-    assert "1 new failures" in header and "1 fixed" in header and "1 known" in header and "8 skipped" in header
+    assert "1 new failures" in header and "1 fixed" in header and "1 known" in header and "9 skipped" in header
     assert "NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB, native bf16: yes)" in header
     environment = dom.find("section", id="environment").text()
     for expected in ("driver_version", "550.54", "pci_bus_id", "0000:01:00.0", "CUDA_VISIBLE_DEVICES", "2.13.0"):
@@ -313,8 +317,42 @@ def test_a_merged_device_not_in_the_axes_gets_its_own_grid_after_the_listed_ones
     for cell in doc["cells"]:
         if cell["device"] == "cuda":
             cell["device"] = "cuda-a100-sxm4-40gb"
+            cell["id"] = cell["id"].replace("-cuda-", "-cuda-a100-sxm4-40gb-")
+        if cell["id"] == "tiny-llama-fp32-train-cuda-a100-sxm4-40gb-torch":
+            cell.update(outcome="passed", skip_reason=None)  # one cell ran there: it has a grid
     grids = parse(html_report(doc)).root.find_all("table", **{"class": "grid"})
     assert [g.attrs["data-device"] for g in grids] == ["cpu", "cpu", "cuda-a100-sxm4-40gb"]
+
+
+def test_cells_that_could_not_run_here_are_one_line_per_reason_not_a_grid():
+    doc = document()
+    dom = parse(html_report(doc)).root
+    section = dom.find("section", id="not-run")
+    assert section.find("h2").text() == "Not run here: 8 cells"
+    reach = dom.find("p", **{"class": "reach"})
+    assert reach.text() == "Ran here: 15 cells. Not run here: 8 cells, for 1 reason (why)."
+    assert reach.find("a").attrs["href"] == "#not-run"
+    _, *rows = section.find("table").find_all("tr")
+    assert [[td.text() for td in row.find_all("td")] for row in rows] == [["8", NO_GPU, "engine torch; device cuda"]]
+    assert not [td for td in dom.find_all("td") if "-cuda-" in td.attrs.get("data-cell", "")]
+    # the one skip whose row and column ran stays in its grid
+    assert dom.find("td", data_cell=SKIPPED_CELL).text() == "skip"
+
+
+def test_each_kinds_one_time_work_has_its_line():
+    doc = document()
+    doc["kind_setups"] = [
+        {"kind": "tiny-llama", "training": True, "budget_s": 600.0, "steps": {"observation": 1.5}}
+        | {"seconds": 10.75, "outcome": "done", "error": None, "pid": 7},
+        {"kind": "minilm-bert", "training": False, "budget_s": 5.0, "steps": {}, "seconds": 5.0}
+        | {"outcome": "timed out", "error": "observation was running when the budget of 5 s ran out", "pid": 7},
+    ]
+    jsonschema.validate(json_safe(doc), SCHEMA)
+    _, *rows = parse(html_report(doc)).root.find("section", id="kind-setups").find("table").find_all("tr")
+    cells = [[td.text() for td in row.find_all("td")] for row in rows]
+    assert cells[0][:4] == ["tiny-llama", "train and eval", "observation 1.50 s", "10.75 s"]
+    assert cells[1][0] == "minilm-bert" and "timed out: observation was running" in cells[1][4]
+    assert "budget 5.00 s" in cells[1][4]
 
 
 def test_an_outcome_outside_the_known_set_gets_a_neutral_class():
@@ -450,8 +488,9 @@ def test_chromium_renders_the_page(tmp_path):
     page.write_text(html_report(document()), encoding="utf-8")
     dom = parse(chromium(tmp_path, "--dump-dom", page.as_uri()).stdout).root
     grids = dom.find_all("table", **{"class": "grid"})
-    assert [g.find("caption").text() for g in grids] == ["cpu · torch", "cpu · accelerate", "cuda · torch"]
+    assert [g.find("caption").text() for g in grids] == ["cpu · torch", "cpu · accelerate"]
     assert dom.find("td", data_cell=KNOWN_CELL).attrs["class"] == "outcome-known"
+    assert "8" in dom.find("section", id="not-run").find("h2").text()
     assert dom.find("section", id=f"cell-{KNOWN_CELL}")
 
     shots = []

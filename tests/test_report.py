@@ -84,11 +84,24 @@ def test_schema_rejects_a_failed_cell_without_signature(tmp_path):
 
 
 def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
-    directory = write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
+    alone = "Requires: [gradients reduced across ranks, in bfloat16] (the torch engine runs one process)"
+    cells = [
+        *records(),
+        record_builders.skipped_record(Cell("tiny-llama", "bf16-mixed", "eval", "cpu"), alone).as_dict(),
+    ]
+    directory = write_report(tmp_path, results_document(RUN, ENV, cells, (), table()))
     summary = (directory / "summary.md").read_text()
-    assert "## cpu · eval" in summary and "## cuda · eval" in summary and "## cpu · train" in summary
+    assert "## cpu · eval" in summary and "## cpu · train" in summary
+    # the cuda cell skipped, and so did every other cuda cell: no grid, a line of "Not run here"
+    assert "## cuda" not in summary
+    not_run = summary.split("## Not run here")[1].split("\n## ")[0]
+    which = "model tiny-llama; precision fp32; device cuda; mode eval"
+    assert f"| 1 | Requires: [CUDA device] (none visible) | {which} |" in not_run
     assert f"| tiny-transformer | torch | ❌ `{SIG.id}` (evaluate) |" in summary
-    assert "| S1 | Requires: [CUDA device] (none visible) | 1 |" in summary
+    # a skip whose row and column ran stays in its grid
+    assert "| tiny-llama | torch | ✅ | ⏭️ S1 |" in summary.split("## cpu · eval")[1]
+    assert f"| S1 | {alone} | 1 |" in summary
+    assert "CUDA device" not in summary.split("## Skip reasons")[1].split("\n## ")[0]
     assert f"| `{SIG.id}` | evaluate |" in summary
     # models in registry order, not alphabetical
     eval_section = summary.split("## cpu · eval")[1]

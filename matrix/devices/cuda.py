@@ -99,7 +99,10 @@ def gpu_skip_reason(gpus: tuple[dict, ...], precision: Precision, index: int) ->
     """Why cuda:index cannot run `precision` among the GPUs `gpus`, or None."""
     if not gpus:
         built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        return f"Requires: [CUDA device] (none visible; torch {torch.__version__} is {built})"
+        return (
+            f"Requires: [CUDA device] (none visible; torch {torch.__version__} is {built}; "
+            "a GPU machine runs them: docs/GPU.md)"
+        )
     if index >= len(gpus):
         return f"Requires: [CUDA device cuda:{index}] (only {len(gpus)} visible)"
     gpu = gpus[index]

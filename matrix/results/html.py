@@ -18,6 +18,7 @@ import re
 from urllib.parse import quote, urlsplit
 
 from matrix.results.files import AXES, OUTCOMES, known_failure_keys
+from matrix.results.reach import Reach, reach
 
 UPSTREAM_REFERENCE = re.compile(r"([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#([0-9]+)")  # owner/repo#123
 
@@ -67,6 +68,12 @@ details summary { cursor: pointer; }
 def esc(value) -> str:
     """Document text as HTML text or attribute value; None is empty."""
     return "" if value is None else html.escape(str(value), quote=True)
+
+
+def pre_text(value) -> str:
+    """Document text inside a <pre> element: <, > and & escaped; quotes need not be, and a
+    cell's metrics JSON is mostly quotes (escaped, they made half the page's bytes)."""
+    return html.escape(str(value), quote=False)
 
 
 def web_url(url) -> str | None:
@@ -162,7 +169,7 @@ def cell_links(cell_ids) -> str:
 # ------------------------------------------------------------------ sections
 
 
-def header(document: dict) -> str:
+def header(document: dict, shown: Reach) -> str:
     run, env, counts = document["run"], document["environment"], document.get("counts", {})
     packages = env.get("packages") or {}
     stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
@@ -204,7 +211,21 @@ def header(document: dict) -> str:
         banners = '<p class="warning incomplete">incomplete run: not every selected cell reported</p>' + banners
     return (
         f"<header><h1>Mixed-precision matrix: run <code>{esc(run.get('id'))}</code></h1>{banners}"
-        f'<p class="counts">{badges} of {len(document["cells"])} cells</p>{kv_table(rows)}</header>'
+        f'<p class="counts">{badges} of {len(document["cells"])} cells</p>{reach_line(document, shown)}'
+        f"{kv_table(rows)}</header>"
+    )
+
+
+def reach_line(document: dict, shown: Reach) -> str:
+    """How many cells ran here, and how many the grids leave out (reach.py)."""
+    counts = document.get("counts", {})
+    ran = len(document["cells"]) - counts.get("skipped", 0)
+    left_out = sum(len(group.cells) for group in shown.not_run)
+    if not left_out:
+        return f'<p class="reach">Ran here: {ran} cells; the grids hold every cell.</p>'
+    return (
+        f'<p class="reach">Ran here: {ran} cells. Not run here: {left_out} cells, for {len(shown.not_run)} '
+        f'reason{"s" if len(shown.not_run) != 1 else ""} (<a href="#not-run">why</a>).</p>'
     )
 
 
@@ -226,40 +247,52 @@ def cell_label(cell: dict, known_keys: dict) -> tuple[str, str]:
     return str(outcome), str(outcome)
 
 
-def grids(document: dict, known_keys: dict) -> str:
-    cells = document["cells"]
-    axes = document["run"].get("axes") or {}
-    order = {axis: ordered((cell[axis] for cell in cells), axes.get(axis)) for axis in AXES}
+def grids(document: dict, known_keys: dict, shown: Reach) -> str:
+    """One table per device and engine with a cell that ran or skipped alone (reach.py): models
+    as rows, precision x mode as columns, each only where it has such a cell."""
+    cells = [cell for cell in document["cells"] if cell["id"] in shown.shown]
+    order = shown.axes
     by_axes = {tuple(cell[axis] for axis in AXES): cell for cell in cells}
     pairs = {(cell["device"], cell["engine"]) for cell in cells}
-    precisions, modes = order["precision"], order["mode"]
-    head = (
-        '<tr><th rowspan="2" scope="col">model</th>'
-        + "".join(f'<th colspan="{len(modes)}" scope="colgroup">{esc(p)}</th>' for p in precisions)
-        + "</tr><tr>"
-        + "".join(f'<th scope="col">{esc(m)}</th>' for _ in precisions for m in modes)
-        + "</tr>"
-    )
     tables = []
     for device in order["device"]:
+        on_device = [cell for cell in cells if cell["device"] == device]
+        columns = [
+            (precision, mode)
+            for precision in order["precision"]
+            for mode in order["mode"]
+            if any(c["precision"] == precision and c["mode"] == mode for c in on_device)
+        ]
+        precisions = list(dict.fromkeys(precision for precision, _ in columns))
+        head = (
+            '<tr><th rowspan="2" scope="col">model</th>'
+            + "".join(
+                f'<th colspan="{sum(p == precision for p, _ in columns)}" scope="colgroup">{esc(precision)}</th>'
+                for precision in precisions
+            )
+            + "</tr><tr>"
+            + "".join(f'<th scope="col">{esc(mode)}</th>' for _, mode in columns)
+            + "</tr>"
+        )
         for engine in order["engine"]:
             if (device, engine) not in pairs:
                 continue
             rows = []
             for model in order["model"]:
+                if not any(c["model"] == model and c["engine"] == engine for c in on_device):
+                    continue
                 tds = []
-                for precision in precisions:
-                    for mode in modes:
-                        cell = by_axes.get((model, precision, mode, device, engine))
-                        if cell is None:
-                            tds.append('<td class="empty"></td>')
-                            continue
-                        label, tip = cell_label(cell, known_keys)
-                        tds.append(
-                            f'<td class="{outcome_class(cell.get("outcome"))}" data-cell="{esc(cell["id"])}" '
-                            f'title="{esc(cell["id"] + chr(10) + tip)}">'
-                            f'<a href="{esc(href("cell", cell["id"]))}">{esc(label)}</a></td>'
-                        )
+                for precision, mode in columns:
+                    cell = by_axes.get((model, precision, mode, device, engine))
+                    if cell is None:
+                        tds.append('<td class="empty"></td>')
+                        continue
+                    label, tip = cell_label(cell, known_keys)
+                    tds.append(
+                        f'<td class="{outcome_class(cell.get("outcome"))}" data-cell="{esc(cell["id"])}" '
+                        f'title="{esc(cell["id"] + chr(10) + tip)}">'
+                        f'<a href="{esc(href("cell", cell["id"]))}">{esc(label)}</a></td>'
+                    )
                 rows.append(f'<tr><th scope="row">{esc(model)}</th>{"".join(tds)}</tr>')
             tables.append(
                 f'<table class="grid" id="{esc(anchor("grid", f"{device}-{engine}"))}" '
@@ -305,11 +338,11 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
             )
         )
     if cell.get("message"):
-        rows.append(("message", f"<pre>{esc(cell['message'])}</pre>"))
+        rows.append(("message", f"<pre>{pre_text(cell['message'])}</pre>"))
     if cell.get("traceback"):  # folded: the message says what failed, the traceback where
         traceback = cell["traceback"]
         lines = traceback.rstrip("\n").count("\n") + 1
-        folded = f"<summary>{lines} lines</summary><pre>{esc(traceback)}</pre>"
+        folded = f"<summary>{lines} lines</summary><pre>{pre_text(traceback)}</pre>"
         rows.append(("traceback", f'<details class="traceback">{folded}</details>'))
     if cell.get("skip_reason"):
         rows.append(("skip reason", esc(cell["skip_reason"])))
@@ -331,13 +364,51 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
             )
         )
     rerun = cell.get("rerun") or f"pytest 'cases/test_cells.py::test_cell[{cell['id']}]'"
-    rows.append(("re-run", f"<pre>{esc(rerun)}</pre>"))
+    rows.append(("re-run", f"<pre>{pre_text(rerun)}</pre>"))
     if cell.get("metrics"):
-        metrics = json.dumps(cell["metrics"], indent=2, default=str, ensure_ascii=False)
-        rows.append(("metrics", f"<pre>{esc(metrics)}</pre>"))
+        metrics = json.dumps(cell["metrics"], indent=1, default=str, ensure_ascii=False)
+        rows.append(("metrics", f"<pre>{pre_text(metrics)}</pre>"))
     return (
         f'<section class="detail" id="{esc(anchor("cell", cell["id"]))}">'
         f'<a class="close" href="#closed" title="close">×</a><h3>{esc(cell["id"])}</h3>{kv_table(rows)}</section>'
+    )
+
+
+def not_run_section(shown: Reach) -> str:
+    """The cells left out of the grids, one line per reason (reach.py), as summary.md has them."""
+    if not shown.not_run:
+        return ""
+    total = sum(len(group.cells) for group in shown.not_run)
+    rows = "".join(
+        f"<tr><td>{len(group.cells)}</td><td>{esc(group.reason)}</td><td>{esc(group.scope(shown.axes))}</td></tr>"
+        for group in shown.not_run
+    )
+    return (
+        f'<section id="not-run"><h2>Not run here: {total} cells</h2>'
+        "<p>Left out of the grids: every cell of their device, or of their precision column or model x engine "
+        "row, skipped. Each reason says what they need.</p>"
+        f'<table class="kv"><tr><th>cells</th><th>why</th><th>which</th></tr>{rows}</table></section>'
+    )
+
+
+def kind_setups_section(document: dict) -> str:
+    """Each kind's one-time work before its first cell (matrix/kind_setup.py)."""
+    setups = document.get("kind_setups") or []
+    if not setups:
+        return ""
+    rows = "".join(
+        f"<tr><td>{esc(s.get('kind'))}</td><td>{'train and eval' if s.get('training') else 'eval'}</td>"
+        f"<td>{esc(', '.join(f'{name} {value:.2f} s' for name, value in (s.get('steps') or {}).items()) or '-')}</td>"
+        f"<td>{seconds(s.get('seconds'))}</td><td>{esc(s.get('outcome'))}"
+        f"{': ' + esc(s['error']) if s.get('error') else ''} (budget {seconds(s.get('budget_s'))})</td></tr>"
+        for s in setups
+    )
+    return (
+        '<section id="kind-setups"><h2>One-time work per kind</h2>'
+        "<p>Done once per kind and process before its first cell, under its own budget; no cell's time or timeout "
+        "includes it.</p>"
+        f'<table class="kv"><tr><th>kind</th><th>for</th><th>work</th><th>seconds</th><th>outcome</th></tr>{rows}'
+        "</table></section>"
     )
 
 
@@ -425,11 +496,15 @@ def environment_section(document: dict) -> str:
 def html_report(document: dict) -> str:
     """The page for one results.json document, as a string (UTF-8 when written)."""
     known_keys = known_failure_keys(document)
-    details = "".join(cell_detail(cell, known_keys) for cell in document["cells"])
+    shown = reach(document)
+    # a cell left out of the grids has no panel: nothing links to it (every cell that ran is shown)
+    details = "".join(cell_detail(cell, known_keys) for cell in document["cells"] if cell["id"] in shown.shown)
     body = "".join(
         [
-            header(document),
-            grids(document, known_keys),
+            header(document, shown),
+            not_run_section(shown),
+            grids(document, known_keys, shown),
+            kind_setups_section(document),
             f'<div id="details">{details}</div>',
             signatures_section(document),
             known_failures_section(document, known_keys),

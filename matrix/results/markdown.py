@@ -11,6 +11,7 @@ from matrix.results import crash_dump
 from matrix.results.files import known_failure_keys
 from matrix.results.metrics import UNSET, CellMetrics, Effective, KindRecord, LearningRate
 from matrix.results.phase_costs import slowest_phases_markdown
+from matrix.results.reach import reach
 
 # summary.md goes into a CI job's summary, which GitHub caps at 1 MiB: a new signature's
 # traceback there keeps its first lines and innermost frames in this many characters.
@@ -68,12 +69,23 @@ def summary_markdown(document: dict) -> str:
     packages = env.get("packages", {})
     stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
     counts = document["counts"]
+    shown = reach(document)
+    left_out = sum(len(group.cells) for group in shown.not_run)
     lines = [
         f"# Mixed-precision matrix: run {run['id']}",
         "",
         f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
         f"{counts['passed']} passed, {counts['skipped']} skipped** "
         f"of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
+        "",
+        f"Ran here: {len(cells) - counts['skipped']} cells. "
+        + (
+            f"Not run here: {left_out} cells, for {len(shown.not_run)} "
+            f"reason{'s' if len(shown.not_run) != 1 else ''} ([below](#not-run-here)); the grids "
+            f"hold the rest, {counts['skipped'] - left_out} of them skipped where others beside them ran."
+            if shown.not_run
+            else f"The grids hold every cell, {counts['skipped']} of them skipped."
+        ),
         "",
         f"- command: `{run['command']}`",
         f"- stack: {stack}",
@@ -127,11 +139,14 @@ def summary_markdown(document: dict) -> str:
             lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
             lines += folded_traceback(group[0].get("traceback"))
 
+    lines += not_run_markdown(shown)
+    lines += kind_setups_markdown(document.get("kind_setups") or [])
     skip_reasons: dict[str, str] = {}
     for device, mode in sorted(
-        {(c["device"], c["mode"]) for c in cells}, key=lambda dm: (dm[0] != "cpu", dm[1] != "train")
+        {(c["device"], c["mode"]) for c in cells if c["id"] in shown.shown},
+        key=lambda dm: (dm[0] != "cpu", dm[1] != "train"),
     ):
-        group = [c for c in cells if c["device"] == device and c["mode"] == mode]
+        group = [c for c in cells if c["device"] == device and c["mode"] == mode and c["id"] in shown.shown]
         precisions = [p for p in document["precisions"] if any(c["precision"] == p for c in group)]
         precisions += sorted({c["precision"] for c in group} - set(precisions))
         present = {c["model"] for c in group}
@@ -140,11 +155,14 @@ def summary_markdown(document: dict) -> str:
         engines_present = {c["engine"] for c in group}
         engines = [e for e in run.get("axes", {}).get("engine", []) if e in engines_present]
         engines += sorted(engines_present - set(engines))
+        rows_shown = {(c["model"], c["engine"]) for c in group}
         lines += ["", f"## {device} · {mode}", "", "| model | engine | " + " | ".join(precisions) + " |"]
         lines.append("|---|---|" + "---|" * len(precisions))
         by_key = {(c["model"], c["engine"], c["precision"]): c for c in group}
         for model in models:
             for engine in engines:
+                if (model, engine) not in rows_shown:
+                    continue
                 row = []
                 for precision in precisions:
                     cell = by_key.get((model, engine, precision))
@@ -166,9 +184,9 @@ def summary_markdown(document: dict) -> str:
                 lines.append(f"| {model} | {engine} | " + " | ".join(row) + " |")
 
     if skip_reasons:
-        lines += ["", "## Skip reasons", "", "| key | reason | cells |", "|---|---|---|"]
+        lines += ["", "## Skip reasons (in the grids)", "", "| key | reason | cells |", "|---|---|---|"]
         for reason, key in skip_reasons.items():
-            count = sum(c["skip_reason"] == reason for c in cells)
+            count = sum(c["skip_reason"] == reason and c["id"] in shown.shown for c in cells)
             lines.append(f"| {key} | {_md(reason)} | {count} |")
 
     if document["known_failures"]:
@@ -210,6 +228,53 @@ def summary_markdown(document: dict) -> str:
         )
     lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
     return "\n".join(lines) + "\n"
+
+
+def not_run_markdown(shown) -> list[str]:
+    """The cells left out of the grids (matrix/results/reach.py), one line per reason."""
+    if not shown.not_run:
+        return []
+    total = sum(len(n.cells) for n in shown.not_run)
+    lines = [
+        "",
+        "## Not run here",
+        "",
+        f"{total} cells are left out of the grids below: every cell of their device, or of their precision "
+        "column or model x engine row, skipped. Each reason says what they need.",
+        "",
+        "| cells | why | which |",
+        "|---|---|---|",
+    ]
+    for group in shown.not_run:
+        lines.append(f"| {len(group.cells)} | {_md(group.reason)} | {_md(group.scope(shown.axes))} |")
+    return lines
+
+
+def kind_setups_markdown(setups: list[dict]) -> list[str]:
+    """Each kind's one-time work (matrix/kind_setup.py): done before its first cell, per process,
+    under its own budget; the first cell's time does not include it."""
+    if not setups:
+        return []
+    lines = [
+        "",
+        "## One-time work per kind",
+        "",
+        "Done once per kind and process before its first cell, under its own budget (--kind-setup-timeout); "
+        "no cell's time or timeout includes it.",
+        "",
+        "| kind | for | work (s) | seconds | outcome |",
+        "|---|---|---|---|---|",
+    ]
+    for setup in setups:
+        work = ", ".join(f"{name} {value:.2f}" for name, value in setup["steps"].items()) or "-"
+        outcome = setup["outcome"] + (f": {setup['error']}" if setup.get("error") else "")
+        if setup["outcome"] == "timed out":
+            outcome = f"**{outcome}** (budget {setup['budget_s']:g} s)"
+        lines.append(
+            f"| {setup['kind']} | {'train and eval' if setup['training'] else 'eval'} | {_md(work)} "
+            f"| {setup['seconds']:.2f} | {_md(outcome)} |"
+        )
+    return lines
 
 
 def model_kinds_markdown(cells: list[dict]) -> list[str]:
