@@ -29,6 +29,7 @@ from matrix.devices import DEVICES, poisoning_error
 from matrix.engines import ENGINES, distributed
 from matrix.measurements import settle_garbage
 from matrix.models import MODELS
+from matrix.packages import MissingPackage
 from matrix.pipeline import PHASE_NAMES
 from matrix.precisions import PRECISIONS, PolicyContradiction, validate
 from matrix.results.metrics import CellMetrics
@@ -71,14 +72,19 @@ def run_cell(
     run_contradictory: bool = False,
     variant: Variant | None = None,
     timeout_s: float | None = None,
+    blocked: BaseException | None = None,
 ) -> CellResult:
     """Run a cell's phases. A precision policy that contradicts itself fails in the
     `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
-    record what the stack itself raises. `device_index` picks one of an indexed device (cuda:N).
+    record what the stack itself raises. A cell whose engine, kind or quantized base needs a package
+    that is not installed fails there too (MissingPackage: the line its skip gives), before any
+    library is imported. `device_index` picks one of an indexed device (cuda:N).
     `variant` replaces the model kind's grid settings
     (raises InvalidVariant for settings the kind cannot take). `timeout_s`: the cell's own limit;
     an engine that waits on other processes gives up at DEADLINE_SHARE of it, so that it, not
-    the harness's kill, records which process did not answer."""
+    the harness's kill, records which process did not answer. `blocked`: what stops the cell before
+    it starts (its kind's one-time work ran out of its budget, matrix/kind_setup.py), recorded as
+    the failure of the `kind_setup` phase."""
     settle_garbage()  # before anything of the cell exists
     kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
     precision = PRECISIONS[cell.precision]
@@ -103,6 +109,9 @@ def run_cell(
     result = CellResult(cell=cell, outcome="passed", metrics=state.metrics)
     result.phases = {name: "not run" for name in names}
     start = time.perf_counter()
+    if blocked is not None:
+        _record_failure(result, "kind_setup", blocked)
+        return result
     if precision.contradictions():
         state.metrics.policy_contradictions = precision.contradictions()
         if not run_contradictory:
@@ -111,6 +120,12 @@ def run_cell(
             except PolicyContradiction as exc:
                 _record_failure(result, "configure", exc)
                 return result
+    try:  # a package the engine, the kind or its quantized base needs: named at once, not from inside a rank
+        engine.require()
+        kind.require(precision)
+    except MissingPackage as exc:
+        _record_failure(result, "configure", exc)
+        return result
     run_phase = distributed.run_phase if engine.distributed else pipeline.run_phase
     try:
         for name in names:
@@ -176,11 +191,17 @@ def run_and_record(
     run_contradictory: bool = False,
     rerun: str | None = None,
     timeout_s: float | None = None,
+    claims: list[Entry] | None = None,
+    blocked: BaseException | None = None,
 ) -> RecordedCell:
     """Run the cell and make its record: passed, or failed as a catalogue entry in force says
-    (known), or failed as none says (failed: new), or passed against an entry's claim (fixed)."""
-    claims = catalogue.in_force(cell, installed)
-    result = run_cell(cell, workdir, device_index, run_contradictory=run_contradictory, timeout_s=timeout_s)
+    (known), or failed as none says (failed: new), or passed against an entry's claim (fixed).
+    `claims`: the entries in force for the cell, where the caller has asked already."""
+    if claims is None:
+        claims = catalogue.in_force(cell, installed)
+    result = run_cell(
+        cell, workdir, device_index, run_contradictory=run_contradictory, timeout_s=timeout_s, blocked=blocked
+    )
     signature = result.signature
     outcome, entry = classify(result.outcome, signature.text if signature else None, claims)
     record = CellRecord.of(

@@ -1,7 +1,7 @@
 """The precision axis: one row per precision, and nothing else decides what a precision means.
 
 A new precision is one entry in the table below (or one register() call in a user's plugin):
-each engine derives its own settings from the row (matrix/engines/*.py settings()).
+each engine derives its own settings from the row (matrix/engines/*.py derive_settings()).
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class Precision:
         if quantized in HALF_DTYPES:
             return quantized
         return self.autocast_dtype or self.weights_dtype
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """The packages it needs beyond torch (matrix/packages.py): a quantized base's library."""
+        return self.quantization.requires if self.quantization else ()
 
     @property
     def half_dtypes(self) -> frozenset[torch.dtype]:

@@ -10,11 +10,12 @@ bitsandbytes is imported only when a quantized cell runs: without it those cells
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 from dataclasses import dataclass
 
 import torch
 from packaging.version import Version
+
+from matrix import packages
 
 # 0.46.0 is the first release whose 4-bit and 8-bit layers run on a CPU (its multi-backend
 # refactor; 0.45.5 raises "Device type not supported for FP4 quantization: cpu"), and 0.46.1 the
@@ -22,6 +23,7 @@ from packaging.version import Version
 BITSANDBYTES_CPU = "0.46.0"
 BITSANDBYTES_MIN = "0.46.1"
 SCHEMES = {"nf4": 4, "fp4": 4, "int8": 8}
+REQUIREMENT = f"bitsandbytes >= {BITSANDBYTES_MIN}"
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,18 @@ class Quantization:
         return SCHEMES[self.scheme]
 
     @property
+    def requires(self) -> tuple[str, ...]:
+        """The packages a quantized base needs (matrix/packages.py)."""
+        return (REQUIREMENT,)
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         """The dtype a quantized weight is stored in: two 4-bit codes per uint8, or int8."""
         return torch.uint8 if self.bits == 4 else torch.int8
 
     def config(self):
         """The BitsAndBytesConfig a user writes for it."""
+        packages.require(self.requires, f"the {self.scheme} quantized base")
         from transformers import BitsAndBytesConfig
 
         if self.bits == 8:
@@ -78,17 +86,16 @@ class Quantization:
 
 
 def installed_bitsandbytes() -> str | None:
-    try:
-        return importlib.metadata.version("bitsandbytes")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return packages.installed_version("bitsandbytes")
 
 
 def skip_reason() -> str | None:
     """Why quantized cells cannot run in this environment ("Requires: [...]"), or None."""
     found = installed_bitsandbytes()
     if found is None:
-        return f"Requires: [bitsandbytes >= {BITSANDBYTES_MIN}] (not installed: pip install -e '.[quantized]')"
+        return packages.not_installed_reason([REQUIREMENT])
+    if found == packages.UNKNOWN_VERSION:  # importable, without metadata to say which release: let it run
+        return None
     if Version(found) < Version(BITSANDBYTES_CPU):
         return (
             f"Requires: [bitsandbytes >= {BITSANDBYTES_MIN}] ({found} installed: its 4-bit and 8-bit layers "

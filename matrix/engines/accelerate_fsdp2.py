@@ -74,6 +74,7 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
     description = "accelerate's FSDP2 path: prepare (fully_shard per layer, fp32 master weights), save_state/load_state"
     Run = AccelerateFSDP2Run
     forward_autocasts = True
+    requires = ("accelerate",)
 
     def derive_settings(self, precision: Precision) -> AccelerateFSDP2Settings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "an accelerate setting", precision)

@@ -37,6 +37,7 @@ class AccelerateEngine(Loop):
     axis_position = 1
     Run = AccelerateRun
     forward_autocasts = True
+    requires = ("accelerate",)
 
     def derive_settings(self, precision: Precision) -> AccelerateSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "an accelerate setting", precision)

@@ -5,6 +5,8 @@ model, has it trained k steps, evaluated mid-training, saved, reloaded (the kind
 an export, and the engine's own resume path), takes step k+1 on the resumed run and on the
 uninterrupted one, and checks each step. An engine supplies what its library does:
 
+    derive_settings(precision) -> settings   what the precision is called in its library, or
+                                             Unsupported(reason)
     start(state, model, training) -> run     prepare model, optimizer and grad scaler
                                              (wrap, shard, deepspeed.initialize, prepare, a Trainer)
     train(state, run, steps) -> Steps        take optimizer steps, or run the library's own loop
@@ -15,6 +17,7 @@ uninterrupted one, and checks each step. An engine supplies what its library doe
 and how the harness sees a run (the defaults read the run's `model`, `optimizer` and `scaler`
 fields; an engine whose run has other ones says how):
 
+    module(state, run)           the module the library calls forward on (its wrapper)
     weights(state, run)          a module holding the trained weights, whole (gathered if sharded)
     master_weights(state, run)   fp32 master weights the optimizer steps, where the parameters are not
     optimizer_state(state, run)  the optimizer's state tensors (this process's shards)
@@ -23,6 +26,9 @@ fields; an engine whose run has other ones says how):
     exported(state, run)         a plain model of what that export must read back as
     check_declared(state, run, when) the weight dtypes the library declares it holds
     dtype_changes(state, run)    the dtypes its library declares it sets once training begins
+
+and what it releases: close(state, run) a run's resources beyond memory (DeepSpeed's engines),
+cleanup(state) the library's process-wide state after a cell.
 
 A run is the engine's own small typed object (a dataclass), whatever its library needs kept
 between the calls. A view the harness cannot get, because the engine neither defines it nor has
@@ -134,6 +140,9 @@ class Engine(abc.ABC):
     # True: the model's forward, as the library holds it, brings its own autocast (accelerate's
     # prepared forward) or none is wanted (DeepSpeed casts the module): the harness adds none
     forward_autocasts = False
+    # the packages its library needs beyond torch, as pip names them (matrix/packages.py): without
+    # one its cells skip, and a cell run anyway (a replay) fails at once, naming it
+    requires: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- settings
 
@@ -161,8 +170,17 @@ class Engine(abc.ABC):
         return derived.reason if isinstance(derived, Unsupported) else None
 
     def device_skip_reason(self, device) -> str | None:
-        """Why this engine cannot run on a device of the device axis here, or None."""
-        return None
+        """Why this engine cannot run on a device of the device axis here, or None: by default a
+        package it requires is not installed. An engine with reasons of its own asks super() first."""
+        from matrix import packages
+
+        return packages.skip_reason(self.requires)
+
+    def require(self) -> None:
+        """Raise MissingPackage where a package this engine's library needs is absent."""
+        from matrix import packages
+
+        packages.require(self.requires, f"the {self.name} engine")
 
     def precision_device_skip_reason(self, precision: Precision, device) -> str | None:
         """Why this engine's library refuses a precision on a device of the axis here, in the

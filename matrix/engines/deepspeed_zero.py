@@ -76,15 +76,9 @@ def derive_deepspeed(stage: int, precision: Precision) -> DeepSpeedSettings | Un
     return DeepSpeedSettings(zero_stage=stage, bf16=bf16, fp16=fp16, communication_data_type=communication)
 
 
-def deepspeed_skip_reason(engine: DistributedEngine, device) -> str | None:
-    if ds.installed_version() is None:
-        return f"Requires: [deepspeed] (not installed: {ds.INSTALL_HINT})"
-    return DistributedEngine.device_skip_reason(engine, device)
-
-
 def deepspeed_precision_refusal(settings, device) -> str | None:
     if ds.installed_version() is None or isinstance(settings, Unsupported):
-        return None  # device_skip_reason, or the settings, say it
+        return None  # device_skip_reason (the engine requires deepspeed), or the settings, say it
     for dtype in ("bf16", "fp16"):  # what the config enables is what DeepSpeed's sanity check asks for
         refusal = getattr(settings, dtype) and ds.accelerator_refusal(device.name, dtype)
         if refusal:
@@ -97,6 +91,7 @@ class ZeroEngine(DistributedEngine, Loop):
 
     Run = DeepSpeedRun
     forward_autocasts = True  # DeepSpeed casts the module to its half dtype: no autocast around it
+    requires = ("deepspeed",)
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -111,9 +106,6 @@ class ZeroEngine(DistributedEngine, Loop):
 
     def derive_settings(self, precision: Precision) -> DeepSpeedSettings | Unsupported:
         return derive_deepspeed(self.stage, precision)
-
-    def device_skip_reason(self, device) -> str | None:
-        return deepspeed_skip_reason(self, device)
 
     def precision_device_skip_reason(self, precision: Precision, device) -> str | None:
         return deepspeed_precision_refusal(self.derive_or_refuse(precision), device)

@@ -1,18 +1,30 @@
-"""What the distributed engines (ddp, fsdp2, accelerate-fsdp2, deepspeed-zero*, hf-trainer-zero*)
-share: the driver side, which sends each of a cell's phases to the run's group of ranks
-(matrix/rank_pool.py), and the rank side, which runs the harness's own pipeline
-(matrix/pipeline.py) in every rank on a real process group, each rank on its rows of the batch
-(matrix/group.py).
+"""What the distributed engines (ddp, fsdp2, accelerate-fsdp2, deepspeed-zero0..3,
+hf-trainer-zero2/3) share: their base, DistributedEngine, and the two sides of a cell that runs on
+the run's group of ranks (matrix/rank_pool.py; --world-size ranks, 2 by default).
 
-Driver side: a phase is one call to every rank; the ranks' metrics come back, rank 0's become
-the cell's, and a rank's exception becomes the cell's failure with that exception's own
-signature. Rank side: each rank builds the cell (same seed, same weights), and the engine's
-library runs there; the checks are the pipeline's, the same as in one process, on the whole
-batch (evaluations gathered, sharded weights gathered).
+DistributedEngine is mixed in before Loop or LibraryLoop. On an indexed device (cuda) a cell
+skips where fewer devices are visible than there are ranks; a precision with a gradient dtype or
+micro-batch accumulation is refused (neither is wired into these engines).
 
-The loss a rank backpropagates is weighted by its share of the items the loss averages over
-(ModelKind.loss_items): with the ranks' gradients averaged, the step is the full batch's, and
-the loss reported for a step is the full batch's mean, as the torch engine computes it.
+Driver side (run_phase, end_cell): a phase is one call to every rank. Before the first, what the
+harness establishes about the kind (its observation, its learning rate) is established here, once,
+and handed to the ranks. The ranks' metrics come back, rank 0's become the cell's, and a rank's
+exception becomes the cell's failure with that exception's own signature.
+
+Rank side (rank_begin_cell, rank_phase, rank_end_cell): each rank builds the cell (same seed, same
+weights; a *-loaded-* precision's pretrained checkpoint is written once, by rank 0) and runs the
+harness's own pipeline (matrix/pipeline.py) on a real process group, on its rows of the batch
+(matrix/group.py); the checks are the pipeline's, the same as in one process, on the whole batch
+(evaluations gathered, sharded weights gathered). Helpers for the engines: the launcher variables
+torchrun would set (RANK, WORLD_SIZE, ...), put back after the cell, and a sharded model's whole
+state dict (FSDP2's shards in one all_gather per dtype) with GatheredWeights, a sharded run's
+weights view.
+
+Where the harness or the engine takes the steps, the loss a rank backpropagates is weighted by its
+share of the items the loss averages over (ModelKind.loss_items; matrix/measurements.py
+loss_weight): with the ranks' gradients averaged, the step is the full batch's, and the loss
+reported for a step is the full batch's mean, as the torch engine computes it. The Trainer on
+DeepSpeed weights it itself (it averages tokens across devices).
 """
 
 from __future__ import annotations
@@ -40,6 +52,9 @@ class DistributedEngine(Engine):
     distributed = True
 
     def device_skip_reason(self, device) -> str | None:
+        absent = super().device_skip_reason(device)  # a package the engine requires
+        if absent:
+            return absent
         if device.indexed:
             import torch
 

@@ -110,6 +110,7 @@ class HFTrainerEngine(LibraryLoop):
     axis_position = 2
     Run = TrainerRun
     forward_autocasts = True  # the Trainer's accelerate wraps the model's forward in its autocast
+    requires = ("transformers", "accelerate")  # the Trainer refuses to start without accelerate
     # a Trainer subclass (a user's, with its own compute_loss); None: transformers' Trainer
     trainer_class: type | None = None
 

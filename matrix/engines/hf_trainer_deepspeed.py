@@ -24,7 +24,6 @@ from matrix.engines.base import Unsupported, one_switch_unsupported, register
 from matrix.engines.deepspeed_zero import (
     DeepSpeedSettings,
     deepspeed_precision_refusal,
-    deepspeed_skip_reason,
     derive_deepspeed,
 )
 from matrix.engines.distributed import DistributedEngine, set_launcher_environment
@@ -39,6 +38,7 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
     """The Trainer with a DeepSpeed config of one ZeRO stage."""
 
     forward_autocasts = True  # DeepSpeed casts the module to its half dtype: no autocast around it
+    requires = (*HFTrainerEngine.requires, "deepspeed")
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -52,9 +52,6 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
     def derive_settings(self, precision: Precision) -> DeepSpeedSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "a TrainingArguments setting", precision)
         return unsupported or derive_deepspeed(self.stage, precision)
-
-    def device_skip_reason(self, device) -> str | None:
-        return deepspeed_skip_reason(self, device)
 
     def precision_device_skip_reason(self, precision: Precision, device) -> str | None:
         return deepspeed_precision_refusal(self.derive_or_refuse(precision), device)

@@ -125,6 +125,7 @@ class LightningEngine(LibraryLoop):
     description = "Lightning Trainer(precision=...): fit with validation, ModelCheckpoint, resume"
     axis_position = 3
     Run = LightningRun
+    requires = ("lightning",)
 
     def derive_settings(self, precision: Precision) -> LightningSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "a Lightning precision", precision)

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
 import logging
 import os
 
-from matrix import checks
+from matrix import checks, packages
 from matrix.measurements import fresh_model, model_holding
 from matrix.precisions import dtype_name
 
-INSTALL_HINT = "pip install '.[deepspeed]', or nox -s deepspeed"
+INSTALL_HINT = packages.install_hint("deepspeed")
 
 
 @functools.cache
 def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """None where deepspeed cannot be imported here (the engines' cells skip: matrix/packages.py)."""
+    return packages.installed_version("deepspeed")
 
 
 @functools.cache

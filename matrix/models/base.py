@@ -1,7 +1,9 @@
-"""What every model kind provides, and the tiny sizes they are all built with.
+"""What every model kind provides (ModelKind), what no variant changes (the vocabulary, the
+special tokens, the seeds; the sizes are the variant's, matrix/variants.py), the traits catalogue
+selectors match (TRAITS), and the model axis' registry (MODELS).
 
 A model kind is a small factory in the spirit of transformers' model testers: it builds a
-deterministic tiny model from a config in code (nothing is downloaded), makes a fixed batch,
+deterministic model (tiny, from a config in code; nothing is downloaded), makes a fixed batch,
 computes the loss, evaluates, and saves/loads a checkpoint the way its library does.
 """
 
@@ -71,6 +73,15 @@ TRAITS: dict[str, str] = {
 }
 
 
+def local_directory(directory: Path) -> Path:
+    """A checkpoint directory a kind loads from, which must be there: a missing one is an error
+    here, never a Hub repository id for transformers or peft to look up (local_files_only=True
+    is not enough: huggingface_hub 2.x asks the Hub for its own request headers first)."""
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {directory} (the matrix loads local directories only)")
+    return Path(directory)
+
+
 @dataclass
 class EvalOutput:
     loss: torch.Tensor
@@ -113,6 +124,9 @@ class ModelKind(abc.ABC):
     learning_rate: float | None = None  # AdamW's, in every engine; None: phases.LEARNING_RATE
     # trains adapters over a frozen base, which may be quantized (the quantized precisions)
     quantizable = False
+    # the packages it needs beyond torch, as pip names them (matrix/packages.py): without one its
+    # cells skip and build() raises, naming it and how to install it
+    requires: tuple[str, ...] = ()
 
     @property
     def variant(self) -> Variant:
@@ -135,8 +149,19 @@ class ModelKind(abc.ABC):
         return configured
 
     def skip_reason(self, device: str) -> str | None:
-        """Why this kind cannot run on `device` here ("Requires: [...] (...)"), or None."""
-        return None
+        """Why this kind cannot run on `device` here ("Requires: [...] (...)"), or None: by default
+        a package it requires is not installed. A kind with reasons of its own asks super() first."""
+        from matrix import packages
+
+        return packages.skip_reason(self.requires)
+
+    def require(self, precision: Precision | None = None) -> None:
+        """Raise MissingPackage where a package this kind (or the quantized base `precision`
+        asks for) needs is absent: the line its cells skip with, before any library is asked."""
+        from matrix import packages
+
+        needs = (*self.requires, *(precision.requires if precision is not None else ()))
+        packages.require(needs, f"the {self.name} model kind")
 
     def precision_skip_reason(self, precision: Precision) -> str | None:
         """Why this kind cannot run `precision` here ("Requires: [...] (...)"), or None: a
@@ -170,6 +195,7 @@ class ModelKind(abc.ABC):
 
     def build(self, precision: Precision, device: torch.device, workdir: Path) -> nn.Module:
         """The model in the precision's weights dtype, obtained the way the precision says."""
+        self.require(precision)
         if precision.weights_from == "load":
             directory = workdir / "pretrained-fp32"
             if not directory.exists():
@@ -241,9 +267,10 @@ class ModelKind(abc.ABC):
 
         from matrix.quantization import prepare_for_training
 
+        local_directory(adapters)
         model = self.load_quantized(base, replace(precision, quantization=None), device)
         model = prepare_for_training(model, precision.quantization)
-        return PeftModel.from_pretrained(model, adapters, is_trainable=True)
+        return PeftModel.from_pretrained(model, adapters, is_trainable=True, local_files_only=True)
 
     def merge_quantized(self, model: nn.Module) -> nn.Module:
         """The adapters merged into the quantized base (peft's merge_and_unload)."""

@@ -1,4 +1,5 @@
-"""Shared behaviour of the transformers causal LMs (tiny-llama, gemma-cache, lora)."""
+"""Shared behaviour of the transformers causal LMs (CausalLMKind): tiny-llama and liger-llama,
+gemma-cache, lora and qlora, and the hf: architectures."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class CausalLMKind(base.ModelKind):
     grid_variant = Variant(padding="left")
     variant_fields = DECODER_FIELDS
     generate_tokens = 0  # > 0: evaluation also runs generate()
+    requires: tuple[str, ...] = ("transformers",)
 
     @property
     def model_class(self) -> type:
@@ -134,12 +136,18 @@ class CausalLMKind(base.ModelKind):
         model.save_pretrained(directory)  # safetensors is transformers' default
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
-        return self.model_class.from_pretrained(directory, **{dtype_argument(): dtype}).to(device)
+        directory = base.local_directory(directory)  # never a Hub repository id
+        loaded = self.model_class.from_pretrained(directory, local_files_only=True, **{dtype_argument(): dtype})
+        return loaded.to(device)
 
     def load_quantized(self, directory: Path, precision, device: torch.device):
         # as QLoRA scripts load: quantization_config, the dtype of the unquantized weights, and a
         # device map (a bitsandbytes model is quantized where it is placed, not moved after)
         quantization = {"quantization_config": precision.quantization.config()} if precision.quantization else {}
         return self.model_class.from_pretrained(
-            directory, **quantization, **{dtype_argument(): precision.weights_dtype}, device_map={"": str(device)}
+            base.local_directory(directory),
+            **quantization,
+            **{dtype_argument(): precision.weights_dtype},
+            device_map={"": str(device)},
+            local_files_only=True,
         )

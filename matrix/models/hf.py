@@ -13,9 +13,12 @@ from importlib.metadata import version
 
 from packaging.version import Version
 
+from matrix import packages
+
 
 @functools.cache
 def transformers():
+    packages.require(["transformers"], "a transformers model kind")  # not a ModuleNotFoundError from deep inside
     module = importlib.import_module("transformers")
     module.utils.logging.disable_progress_bar()  # "Loading weights" bars in every cell's log
     return module

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from matrix import packages
 from matrix.models import base
 from matrix.models.causal_lm import CausalLMKind
 from matrix.models.hf import dtype_argument, transformers
@@ -169,7 +170,7 @@ class HfArchitecture(CausalLMKind):
 
     def create(self):
         if self.has_weights:
-            return self.loader.from_pretrained(self.path, **{dtype_argument(): torch.float32})
+            return self.loader.from_pretrained(self.path, local_files_only=True, **{dtype_argument(): torch.float32})
         return self.model_class(self.config())
 
     @property
@@ -180,7 +181,8 @@ class HfArchitecture(CausalLMKind):
         return auto if self.config_class in auto._model_mapping else self.model_class
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
-        return self.loader.from_pretrained(directory, **{dtype_argument(): dtype}).to(device)
+        directory = base.local_directory(directory)  # never a Hub repository id
+        return self.loader.from_pretrained(directory, local_files_only=True, **{dtype_argument(): dtype}).to(device)
 
     def batch(self, device):
         found = super().batch(device)
@@ -228,6 +230,9 @@ def make(name: str) -> HfArchitecture:
     spec = name[len(PREFIX) :]
     if not spec:
         raise KeyError("hf: names a model type (hf:qwen2) or a config.json / model folder (hf:path/to/model)")
+    absent = packages.skip_reason(HfArchitecture.requires)
+    if absent:
+        raise KeyError(f"{absent}: the hf: kinds are transformers' own classes")
     looks_like_path = "/" in spec or spec.endswith(".json") or spec.startswith(".")
     if looks_like_path:
         path = Path(spec).expanduser()
@@ -246,7 +251,13 @@ def make(name: str) -> HfArchitecture:
 
 
 def every_causal_lm() -> tuple[str, ...]:
-    """hf:<model_type> for every causal-LM model type of the installed transformers."""
+    """hf:<model_type> for every causal-LM model type of the installed transformers (a pattern such
+    as hf:* without transformers: a usage error naming it)."""
+    absent = packages.skip_reason(HfArchitecture.requires)
+    if absent:
+        from matrix.cell import SelectionError
+
+        raise SelectionError(f"--model: {absent}: the hf: kinds are transformers' own classes")
     from matrix.models.hf_shrink import causal_lm_types
 
     return tuple(PREFIX + model_type for model_type in causal_lm_types())

@@ -19,23 +19,23 @@ torch.is_autocast_enabled(), which asks about CUDA autocast only (docs/SEEDS.md)
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
+from matrix import packages
 from matrix.devices.cuda import triton_interpreted
 from matrix.models.base import register
 from matrix.models.tiny_llama import TinyLlama
 
-# import name -> the name pip knows it by
-REQUIRED = {"triton": "triton", "liger_kernel": "liger-kernel"}
+REQUIRED = ("triton", "liger-kernel")  # as pip names them; matrix/packages.py says how to install them
 
 
-def missing_packages() -> list[str]:
-    return [pip_name for module, pip_name in REQUIRED.items() if importlib.util.find_spec(module) is None]
+def missing_packages() -> tuple[str, ...]:
+    return packages.missing(REQUIRED)
 
 
 def liger_lce_forward():
     """Liger's own Llama forward (the function its patching API installs)."""
+    packages.require(REQUIRED, "the liger-llama model kind")
     from liger_kernel.transformers.model.llama import lce_forward
 
     return lce_forward
@@ -45,6 +45,7 @@ class LigerLlama(TinyLlama):
     name = "liger-llama"
     axis_position = 4
     description = "tiny-llama with Liger-Kernel's fused linear cross entropy forward (Triton; interpreter on CPU)"
+    requires = (*TinyLlama.requires, *REQUIRED)
 
     def standalone_code(self) -> str:
         from matrix.models.standalone import LIGER
@@ -52,9 +53,9 @@ class LigerLlama(TinyLlama):
         return super().standalone_code() + LIGER
 
     def skip_reason(self, device: str) -> str | None:
-        missing = missing_packages()
-        if missing:
-            return f"Requires: [{', '.join(REQUIRED.values())}] (not installed: {', '.join(missing)}; nox -s liger)"
+        absent = super().skip_reason(device)
+        if absent:
+            return absent
         if device == "cpu" and not triton_interpreted():
             return (
                 "Requires: [Triton's interpreter for CPU tensors] (TRITON_INTERPRET=1 is not set for this "

