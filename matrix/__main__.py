@@ -1,7 +1,17 @@
-"""python -m matrix bisect ... (matrix/bisect.py), python -m matrix repro ... (matrix/repro.py),
-python -m matrix replay ... (one cell, optionally with an exploration's variant),
-python -m matrix diff OLD NEW (matrix/results/compare.py), python -m matrix merge A B -o DIR
-(matrix/results/merge.py) and python -m matrix compatibility RUN (matrix/results/compatibility.py).
+"""python -m matrix COMMAND (also installed as `precision-matrix`):
+
+  run [pytest args]      the matrix in a crash- and hang-surviving supervisor (matrix/runner.py)
+  fold DIR               results.json from the journal of a run whose controller was killed
+                         (matrix/results/run_directory.py)
+  bisect ...             the release that changed one cell's outcome (matrix/bisect.py)
+  sweep ...              one selection over several releases of a package (matrix/sweep.py)
+  releases -o PAGE       the published table: the sweeps of matrix/releases.toml, then the page
+  repro CELL             a standalone script that reproduces one cell (matrix/repro.py)
+  replay CELL            one cell, optionally with an exploration's variant
+  diff OLD NEW           what changed between two runs (matrix/results/compare.py)
+  merge A B -o DIR       shard reports into one run (matrix/results/merge.py)
+  compatibility RUN      the architecture table of a run's hf: cells (matrix/results/compatibility.py)
+
 Exit status 2 means bad input, with one line saying which file and field."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What every report records about the machine and the stack it ran on."""
+"""What every report records about the machine and the stack it ran on. `python -m
+matrix.environment` prints the stack in one line (torch, its CUDA, the GPUs, the libraries)."""
 
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ every precision's cell would be blamed for what fp32 does too. So a kind that do
 `learning_rate` gets one by a short search: from the largest candidate down, the first rate
 at which fp32 training in the torch engine (on the CPU, TRAIN_STEPS AdamW steps on the kind's
 fixed batch) lowers the loss by the kind's bound (matrix/tolerances.py), measured as every
-cell measures it (phases.seeded_training_loss before and after, phases.Fp32Training). A kind that sets its rate
-keeps it; its fp32 fall at that rate is measured the same way.
+cell measures it (matrix/measurements.py: seeded_training_loss before and after, Fp32Training).
+A kind that sets its rate keeps it; its fp32 fall at that rate is measured the same way.
 
 That fp32 fall is the precision cells' yardstick: a precision's loss fall is judged against
-its fp32 twin's (phases.check_training_contract). Where no candidate learns, the kind gets the
+its fp32 twin's (matrix/pipeline.py check_training_contract). Where no candidate learns, the kind gets the
 largest candidate; the fp32 cells then fail, naming it, and the other precisions record their
 fall unchecked.
 

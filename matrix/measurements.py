@@ -1,7 +1,10 @@
 """How the harness measures a cell, whatever its engine: evaluation in the precision, the fp32
 reference of the same weights, the seeded training loss before and after training, the torch
-engine's yardstick, one optimizer step as the precisions define it, and what a library did to
-the model (the autocast in its first forward, its placement).
+engine's yardstick, one optimizer step as the precisions define it (and a rank's share of the
+loss, loss_weight), and what a library did to the model (the autocast in its first forward, its
+placement). Also the fresh models every engine starts from and the copies that hold a run's
+weights, the garbage collection between cells, and the learning-rate search's fp32 training
+(Fp32Training).
 
 Each runs in the cell's process or in each of its ranks (state.group): a rank measures its rows
 and the whole batch's figure comes back, as one process measures it."""

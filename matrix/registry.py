@@ -1,9 +1,12 @@
-"""One registry shape for every axis and for the catalogue: register() adds an item under its
-name, refusing a name another item already has; the registry reads like a mapping.
+"""One registry shape for every axis that takes new values: register() adds an item under its
+name, refusing a name another item already has; the registry reads like a mapping, in the axis'
+order (each item's axis_position).
 
-Each axis has one (matrix/models, precisions.py, engines, devices; catalogue.py for entries).
+Each such axis has one (matrix/models, precisions.py, engines, devices); the modes are a fixed
+tuple (modes.py), and the catalogue keeps its own list of files (catalogue.py register()).
 Built-in items live in their own files and register themselves when their package loads
-them (load_modules); a user's items register from a pytest plugin or its conftest.
+them (load_modules); a user's items register from a pytest plugin or its conftest. A registry
+may also make items on demand from a name's prefix (provide(): hf:<model_type> model kinds).
 """
 
 from __future__ import annotations

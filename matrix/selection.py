@@ -1,5 +1,6 @@
-"""Which cells a run has: every axis's values (from the registries), the selection options
-(--model a,b ...), enumeration in a stable order, and --shard K/N."""
+"""Which cells a run has: every axis's values (from the registries, with the hf: kinds made on
+demand so far), the selection options (--model a,b ..., hf:* patterns), enumeration in a stable
+order, and the cell a test id names. --shard K/N is matrix/shards.py's."""
 
 from __future__ import annotations
 

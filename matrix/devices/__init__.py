@@ -1,7 +1,13 @@
 """The device axis: a registry of devices (matrix/devices/base.py Device), one file each.
 
+  base.py          - what a device is to the matrix (Device), DEVICES, --cuda-device's index
+  cpu.py           - cpu: always there; skips a precision whose autocast this torch cannot run
+  cuda.py          - cuda: NVIDIA GPUs through torch.cuda (and, without one, Triton's
+                     interpreter variables for Liger's kernels)
+
 A new device (mps, xpu) is one file here that subclasses Device and calls register(); a
-user's device registers from their plugin the same way.
+user's device registers from their plugin the same way. poisoning_error(), below, asks every
+device whether a failure left its process unusable.
 """
 
 from __future__ import annotations

@@ -1,7 +1,24 @@
-"""The engine axis: what one training library does to a cell, one file each (base.py says what an
-engine supplies; the harness's pipeline, matrix/pipeline.py, does the rest). `torch` is a
-hand-written loop; the others run the real library (accelerate, the transformers Trainer,
-Lightning, DDP, FSDP2, accelerate's FSDP2, DeepSpeed ZeRO 0-3 and the Trainer on DeepSpeed).
+"""The engine axis: what one training library does to a cell (the harness's pipeline,
+matrix/pipeline.py, does the rest). `torch` is a hand-written loop; the others run the real
+library. The files, and the engines each registers, in the axis' order:
+
+  base.py          - what an engine supplies (Engine; Loop, LibraryLoop: who owns the loop), the
+                     ENGINES registry, and the check that the harness can see into an engine's runs
+  torch_loop.py    - `torch`: torch.autocast and GradScaler around a hand-written loop; its
+                     checkpoint format, which ddp shares
+  accelerate_loop.py - `accelerate`: Accelerator(mixed_precision=...), prepare, save_state /
+                     load_state
+  hf_trainer.py    - `hf-trainer`: the transformers Trainer's own loop, resume_from_checkpoint
+  lightning_loop.py - `lightning`: a Lightning Trainer(precision=...)'s fit(), ckpt_path resume
+  distributed.py   - what the distributed engines share: DistributedEngine, the driver side that
+                     sends a cell's phases to the ranks, the rank side, sharded weights gathered
+  ddp.py           - `ddp`: DistributedDataParallel, with compress hooks for half-precision reduction
+  fsdp2.py         - `fsdp2`: fully_shard with a MixedPrecisionPolicy, DCP checkpoints
+  accelerate_fsdp2.py - `accelerate-fsdp2`: accelerate's FSDP2 plugin (selected by hand on a CPU)
+  deepspeed_zero.py - `deepspeed-zero0`, `deepspeed-zero1`, `deepspeed-zero2`, `deepspeed-zero3`:
+                     DeepSpeed's own engine, one per ZeRO stage
+  hf_trainer_deepspeed.py - `hf-trainer-zero2`, `hf-trainer-zero3`: the Trainer with a DeepSpeed
+                     config of that ZeRO stage
 
 A new engine is one file here (an Engine subclass and a register() call) plus its library in
 pyproject.toml; a user's engine registers from their plugin.

@@ -1,4 +1,13 @@
-"""Support for one training library that more than one engine uses, in one public module each:
-accelerate's process-wide state (the accelerate, hf-trainer and accelerate-fsdp2 engines), the
-transformers Trainer's harness side (hf-trainer, hf-trainer-zero2/3), DeepSpeed's config and
-views of its engine (deepspeed-zero0..3, hf-trainer-zero2/3)."""
+"""Support for one training library that more than one engine uses, one module each:
+
+  accelerate.py    - accelerate's process-wide state, forgotten after a cell, and a run resumed
+                     from save_state (the accelerate, accelerate-fsdp2 and Trainer engines)
+  trainer.py       - the transformers Trainer's harness side: the batch as a dataset, the recording
+                     Trainer, the TrainingArguments, the kinds it can train (hf-trainer,
+                     hf-trainer-zero2/3)
+  deepspeed.py     - DeepSpeed: its import and accelerator's refusals, what it made of the config,
+                     views of its engine in the harness's terms (deepspeed-zero0..3,
+                     hf-trainer-zero2/3)
+
+The engines import them; importing this package imports none of them, nor any library.
+"""

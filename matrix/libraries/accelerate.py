@@ -1,5 +1,6 @@
 """accelerate's process-wide state, which every engine on accelerate (accelerate, the Trainer,
-accelerate-fsdp2) forgets after a cell and before a resumed run, as a new process would."""
+accelerate-fsdp2) forgets after a cell and before a resumed run, as a new process would; and
+that resumed run (resume_from_saved_state: a new Accelerator, then load_state)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Standalone forms of the built-in model kinds, for reproduction scripts (matrix/repro.py):
 the code that defines create(), save(), load_weights(), loss_of() and evaluate_model() with
-the upstream libraries alone. Each kind's standalone_code() fills one in (models/base.py)."""
+the upstream libraries alone. Each kind's standalone_code() fills one in (models/base.py); a
+plugin's kind gets code that builds it through its own module (plugin_code)."""
 
 from __future__ import annotations
 

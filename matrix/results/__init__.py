@@ -1,21 +1,28 @@
-"""The results layer: cell records, results.json, summary.md, junit.xml, index.html, the run's
-journal and directory, and reading runs back (diff, merge). Standard library only: reading,
-comparing and merging reports never imports torch or the stack that produced them
-(tests/test_import_graph.py imports every module here with torch blocked).
+"""The results layer: cell records and their metrics, results.json, summary.md, junit.xml,
+index.html, compatibility.md, the run's journal and directory, reading runs back (diff, merge) and
+the tables of release sweeps. Standard library only: reading, comparing and merging reports never
+imports torch or the stack that produced them (tests/test_import_graph.py imports every module
+here with torch blocked). SCHEMA_VERSION, below, is results.json's.
 
   records.py       - one typed record per cell, and the records of cells that never reached run_cell
+  metrics.py       - a cell's metrics, typed (CellMetrics): written by its phases, read back by
+                     diff and summary.md
+  results.schema.json - results.json's JSON Schema (its `metrics`: metrics.py's metrics_schema())
   document.py      - results.json's document: counts, signature and catalogue indexes
   markdown.py      - summary.md
+  reach.py         - what the reports show as grids, and the cells they sum up as "not run here"
   phase_costs.py   - where a run's cell time went: engines and phases
   compatibility.py - compatibility.md: the architecture table of a run's hf: cells
   junit.py         - junit.xml
   html.py          - index.html
-  run_directory.py - reports/<run-id>/: created exclusively, written at once, `latest`
+  run_directory.py - reports/<run-id>/: created exclusively, written at once, `latest`; a killed
+                     run's journal folded into its report
   journal.py       - reports/<run-id>/cells.jsonl, written as cells run
   files.py         - reading a results.json back, checked field by field
   compare.py       - python -m matrix diff
   merge.py         - python -m matrix merge
   crash_dump.py    - what a record keeps of a traceback, or of a dead process's stacks
+  sweep_table.py   - a release sweep's tables (sweep.md, sweep.html) and docs/RELEASES.md
 """
 
 SCHEMA_VERSION = 5  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;

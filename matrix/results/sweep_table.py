@@ -9,7 +9,8 @@ and imported with the rest of the stack and, where it ran, each cell's state. Fr
   first release of each change and the state before and after;
 - `folded`: rows precision x engine, a column per release, each entry the cells of that row
   counted by state (the models, modes and devices folded together);
-- `sweep_markdown` and `sweep_html`: the same as a page.
+- `sweep_markdown` and `sweep_html`: the same as a page;
+- `releases_page`: docs/RELEASES.md, every sweep of the published table (matrix/releases.toml).
 
 Standard library only: reading a sweep needs no torch.
 """
