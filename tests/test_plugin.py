@@ -1,6 +1,6 @@
 """The matrix as a pytest plugin in a project of its own (pytester): a model kind, a precision, an
 engine, a device and a catalogue entry registered from outside the package, each with one
-register() call (tests/plugins/user_axes.py, the README's "Extending the matrix"); their cells
+register() call (tests/plugins/user_axes.py, docs/extending.md); their cells
 re-run, replay and reproduce from the commands the report records; and a plugin that does not
 load, or an option out of range, stops the run in one line before anything is written."""
 

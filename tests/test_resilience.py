@@ -227,7 +227,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, catalog
 
 
 def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_path):
-    """The extension point (README, Adding a model kind), from a module outside this repository."""
+    """The extension point (docs/extending.md, "A model kind"), from a module outside this repository."""
     (tmp_path / "downstream_kind.py").write_text(
         "from torch import nn\n"
         "from matrix.models import register\n"
