@@ -12,8 +12,7 @@ repeat an option, win):
 - floor: importing what the runs imported, once (a fresh `python -c "import ..."` of the stack's
   modules the timed runs had loaded by their end, as matrix/bench_probe.py reports them; timed
   from outside, median) plus the cells' own compute (the sum of their `duration_s` in
-  results.json, and of each kind's one-time work before its first cell, `kind_setups`; median
-  over runs): what the matrix would take if running it cost nothing else;
+  results.json, median over runs): what the matrix would take if running it cost nothing else;
 - overhead ratio: matrix wall (median) / floor;
 - process-per-cell: the same cells, each in a fresh `python -m pytest <node id>` as a naive
   runner would, one after another (`--per-cell-sample K`: K cells spread over the selection,
@@ -171,10 +170,10 @@ def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_di
             run = {
                 "wall_s": wall,
                 "exit_status": done.returncode,
-                # the cells' own time, and each kind's one-time work before its first cell (which
-                # a cell's duration_s leaves out: matrix/kind_setup.py)
-                "compute_s": sum(cell["duration_s"] for cell in cells)
-                + sum(setup["seconds"] for setup in results.get("kind_setups", [])),
+                # the cells' own time. Each kind's one-time work (kind_setups) is left out, as
+                # before it had a record of its own (it ran ahead of run_cell's clock): most of
+                # it is the first import of modules the floor's import already counts
+                "compute_s": sum(cell["duration_s"] for cell in cells),
                 "cells": [cell["id"] for cell in cells],
                 "counts": results["counts"],
                 "whole_torch_cpu_matrix": is_whole_torch_cpu_matrix(cells, results["run"]["axes"]),
@@ -465,8 +464,7 @@ def report_markdown(f: dict) -> str:
         f"| speed-up = process-per-cell / wall | {f['speedup']:.1f}x |",
         "",
         "The floor is what the matrix would take if running it cost nothing beyond importing the stack once "
-        "and each cell's own compute (`duration_s` in results.json, and each kind's one-time work before its "
-        "first cell, `kind_setups`). The import is of "
+        "and each cell's own compute (`duration_s` in results.json). The import is of "
         + ", ".join(f"`{name}`" for name in fl["modules"])
         + (
             ": what the runs had imported."

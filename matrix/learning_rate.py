@@ -98,7 +98,7 @@ def learning_rate(kind, measure) -> LearningRate:
     """The kind's learning rate and its fp32 fall, once per kind and process (and per stack on disk).
     A variant of a kind (exploration) trains at its grid kind's rate. `measure` trains: its
     loss_before(kind, workdir) is the fp32 model's seeded loss before training, its
-    fall(kind, rate, workdir) the Fall of fp32 training at `rate` (phases.Fp32Training)."""
+    fall(kind, rate, workdir) the Fall of fp32 training at `rate` (measurements.Fp32Training)."""
     if (kind.name, type(kind)) not in _RATES:
         grid = kind if kind.variant == kind.grid_variant else kind.with_variant(kind.grid_variant)
         _RATES[(kind.name, type(kind))] = _establish(grid, measure)

@@ -88,7 +88,7 @@ class Observation:
     frozen_parameters: tuple[str, ...] = ()
     thawed_by_loading: tuple[str, ...] = ()
     # the largest median |weight| of a trainable tensor (norm weights near 1.0): where an update of
-    # about the learning rate is below half a bf16 ulp of it (phases.kind_traits)
+    # about the learning rate is below half a bf16 ulp of it (kind_traits.bf16_stalled_tensors)
     largest_trainable_magnitude: float = 0.0
     loss_items: str = "rows"
     loss_items_evidence: dict = field(default_factory=dict)  # rule -> relative error, or why not

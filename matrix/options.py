@@ -128,7 +128,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--world-size",
-        "ranks of the process group the distributed engines (ddp, fsdp2, accelerate-fsdp2) run on (default 2; gloo "
+        "ranks of the process group the distributed engines (ddp, fsdp2, accelerate-fsdp2, deepspeed-zero*, "
+        "hf-trainer-zero*) run on (default 2; gloo "
         "on CPU, nccl on CUDA with one GPU per rank)",
         default="2",
         metavar="N",

@@ -95,7 +95,7 @@ def relative_fall(before: float, after: float) -> float:
 @dataclass(frozen=True)
 class LossDecrease:
     """How much the training loss on the fixed batch must fall over training: (loss before -
-    loss after) / loss before >= min_relative, both measured the same way (phases.
+    loss after) / loss before >= min_relative, both measured the same way (measurements.
     seeded_training_loss). A precision path that runs but does not learn fails it."""
 
     min_relative: float

@@ -121,7 +121,7 @@ class ModelKind(abc.ABC):
     # declare its set instead, which then replaces the observed one in catalogue selection
     traits: frozenset[str] | None = None
     explorable = True  # False: exploration (matrix/explore.py) has no variants of it to draw
-    learning_rate: float | None = None  # AdamW's, in every engine; None: phases.LEARNING_RATE
+    learning_rate: float | None = None  # AdamW's, in every engine; None: searched (matrix/learning_rate.py)
     # trains adapters over a frozen base, which may be quantized (the quantized precisions)
     quantizable = False
     # the packages it needs beyond torch, as pip names them (matrix/packages.py): without one its
@@ -246,7 +246,7 @@ class ModelKind(abc.ABC):
 
     # A quantizable kind (quantizable = True) builds its adapters over the base build() gets from
     # load_quantized(), and load() puts saved adapters over a base loaded so again. The saves a
-    # quantized cell also checks (phases.check_quantized_saves) have peft's defaults below.
+    # quantized cell also checks (pipeline.check_quantized_saves) have peft's defaults below.
 
     def load_quantized(self, directory: Path, precision: Precision, device: torch.device) -> nn.Module:
         """The library's loading API with the precision's quantization (from_pretrained(...,

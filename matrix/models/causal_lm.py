@@ -54,7 +54,7 @@ def next_token_targets(mask: torch.Tensor) -> torch.Tensor:
     kernels return another value than its fp32 one (pytorch/pytorch#110213), which moved
     the loss by 0.03 with nothing wrong in the precision path (docs/GPU.md). So no label is
     predicted from a pad position; what the pad positions output is recorded instead
-    (phases.position_deviations).
+    (measurements.position_deviations).
     """
     real = mask.bool()
     previous_real = torch.ones_like(real)

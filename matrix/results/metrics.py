@@ -130,7 +130,7 @@ class Effective(Record):
 
 @dataclass(slots=True)
 class LearningRate(Record):
-    """The learning rate the cell trained at (matrix/learning_rate.py Established.as_dict())."""
+    """The learning rate the cell trained at (matrix/learning_rate.py LearningRate.as_dict())."""
 
     value: float | None = UNSET  # AdamW's learning rate
     source: str | None = UNSET  # declared | calibrated
