@@ -88,6 +88,8 @@ def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
     cells = [
         *records(),
         record_builders.skipped_record(Cell("tiny-llama", "bf16-mixed", "eval", "cpu"), alone).as_dict(),
+        # another engine ran the same model in that column: the skip is the torch engine's, not the kind's
+        CellRecord.of(Cell("tiny-llama", "bf16-mixed", "eval", "cpu", "accelerate"), "passed").as_dict(),
     ]
     directory = write_report(tmp_path, results_document(RUN, ENV, cells, (), table()))
     summary = (directory / "summary.md").read_text()
@@ -95,7 +97,7 @@ def test_summary_has_grid_skip_reasons_and_signature_table(tmp_path):
     # the cuda cell skipped, and so did every other cuda cell: no grid, a line of "Not run here"
     assert "## cuda" not in summary
     not_run = summary.split("## Not run here")[1].split("\n## ")[0]
-    which = "model tiny-llama; precision fp32; device cuda; mode eval"
+    which = "engine torch; model tiny-llama; precision fp32; device cuda; mode eval"
     assert f"| 1 | Requires: [CUDA device] (none visible) | {which} |" in not_run
     assert f"| tiny-transformer | torch | ❌ `{SIG.id}` (evaluate) |" in summary
     # a skip whose row and column ran stays in its grid

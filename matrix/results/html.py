@@ -385,8 +385,9 @@ def not_run_section(shown: Reach) -> str:
     )
     return (
         f'<section id="not-run"><h2>Not run here: {total} cells</h2>'
-        "<p>Left out of the grids: every cell of their device, or of their precision column or model x engine "
-        "row, skipped. Each reason says what they need.</p>"
+        "<p>Left out of the grids: every cell of their device, of their precision column, of their model's cells "
+        "in that column (a precision the kind cannot take: left empty in the grid) or of their model x engine row "
+        "skipped. Each reason says what they need.</p>"
         f'<table class="kv"><tr><th>cells</th><th>why</th><th>which</th></tr>{rows}</table></section>'
     )
 

@@ -239,8 +239,9 @@ def not_run_markdown(shown) -> list[str]:
         "",
         "## Not run here",
         "",
-        f"{total} cells are left out of the grids below: every cell of their device, or of their precision "
-        "column or model x engine row, skipped. Each reason says what they need.",
+        f"{total} cells are left out of the grids below: every cell of their device, of their precision column, "
+        "of their model's cells in that column (a precision the kind cannot take: left empty in the grid) or of "
+        "their model x engine row skipped. Each reason says what they need.",
         "",
         "| cells | why | which |",
         "|---|---|---|",

@@ -6,11 +6,12 @@ whole column). A grid of skips hides what ran, so the reports (summary.md, index
 of their grids:
 
 - a device where every cell skipped;
-- in each device and mode, a precision column where every cell skipped, then a model x engine row
-  where every cell left skipped;
+- in each device and mode, a precision column where every cell skipped; a model's block of a
+  column (its engines in that precision) where every cell skipped: a precision the kind cannot
+  take (the grid shows the block empty); then a model x engine row where every cell skipped;
 
-and list those cells instead, one line per reason, with how many and which. A skip inside a row and
-a column that otherwise ran stays in its grid: it is a fact about that cell.
+and list those cells instead, one line per reason, with how many and which. A skip in a row, a
+column and a block that otherwise ran stays in its grid: it is a fact about that cell and engine.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def reach(document: dict) -> Reach:
             for column in columns.values():
                 if all(c["id"] in skipped for c in column):
                     out.update(c["id"] for c in column)
+            blocks: dict[tuple, list[dict]] = {}  # one model's engines in one precision column
+            for cell in grid:
+                blocks.setdefault((cell["model"], cell["precision"]), []).append(cell)
+            for block in blocks.values():
+                if all(c["id"] in skipped for c in block):
+                    out.update(c["id"] for c in block)
             rows: dict[tuple, list[dict]] = {}
             for cell in grid:
                 rows.setdefault((cell["model"], cell["engine"]), []).append(cell)
