@@ -25,6 +25,15 @@ from matrix.cell import AXES
 AXIS_WORDS = {"device": "device", "mode": "mode", "engine": "engine", "model": "model", "precision": "precision"}
 SCOPE_ORDER = ("engine", "model", "precision", "device", "mode")
 NAMED_IN_REASONS = ("engine", "model")  # a reason naming its cell's own engine or model is one reason for all
+# the groups of cells left out of the grids where every cell of one skipped (a cell left out by one
+# is skipped, so the order does not matter): a device, a precision column of a device's grid (its
+# mode), one model's engines in such a column, a model x engine row of such a grid
+LEFT_OUT_WHOLE = (
+    ("device",),
+    ("device", "mode", "precision"),
+    ("device", "mode", "model", "precision"),
+    ("device", "mode", "model", "engine"),
+)
 LISTED_AT_MOST = 4  # more values than this read as a count, or as "every ... but" the few left out
 
 
@@ -80,37 +89,14 @@ def reach(document: dict) -> Reach:
         if axis == "precision":
             listed = [v for v in dict.fromkeys([*(document.get("precisions") or {}), *listed]) if v in present]
         everything[axis] = listed + sorted(present - set(listed))
-    skipped = {c["id"] for c in cells if c["outcome"] == "skipped"}
     out: set[str] = set()
-    by_device: dict[str, list[dict]] = {}
-    for cell in cells:
-        by_device.setdefault(cell["device"], []).append(cell)
-    for device_cells in by_device.values():
-        if all(c["id"] in skipped for c in device_cells):
-            out.update(c["id"] for c in device_cells)
-            continue
-        grids: dict[str, list[dict]] = {}
-        for cell in device_cells:
-            grids.setdefault(cell["mode"], []).append(cell)
-        for grid in grids.values():
-            columns: dict[str, list[dict]] = {}
-            for cell in grid:
-                columns.setdefault(cell["precision"], []).append(cell)
-            for column in columns.values():
-                if all(c["id"] in skipped for c in column):
-                    out.update(c["id"] for c in column)
-            blocks: dict[tuple, list[dict]] = {}  # one model's engines in one precision column
-            for cell in grid:
-                blocks.setdefault((cell["model"], cell["precision"]), []).append(cell)
-            for block in blocks.values():
-                if all(c["id"] in skipped for c in block):
-                    out.update(c["id"] for c in block)
-            rows: dict[tuple, list[dict]] = {}
-            for cell in grid:
-                rows.setdefault((cell["model"], cell["engine"]), []).append(cell)
-            for row in rows.values():
-                if all(c["id"] in skipped or c["id"] in out for c in row):
-                    out.update(c["id"] for c in row)
+    for axes in LEFT_OUT_WHOLE:
+        groups: dict[tuple, list[dict]] = {}
+        for cell in cells:
+            groups.setdefault(tuple(cell[axis] for axis in axes), []).append(cell)
+        for group in groups.values():
+            if all(c["outcome"] == "skipped" for c in group):
+                out.update(c["id"] for c in group)
     left_out = [cell for cell in cells if cell["id"] in out]
     # a reason put in general terms only where that makes one line of several reasons: "the torch
     # engine runs one process" and "... accelerate ..." are one; "torch 2.13.0+cpu" stays itself
