@@ -374,21 +374,29 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
     )
 
 
+def table_section(section_id: str, title: str, intro: str, headers: tuple[str, ...], rows: list[list[str]]) -> str:
+    """A section of one table: a title, a sentence, a header row, and rows of cells already
+    escaped (HTML); the titles, sentences and headers are this module's own words."""
+    head = "".join(f"<th>{header}</th>" for header in headers)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return (
+        f'<section id="{section_id}"><h2>{title}</h2><p>{intro}</p>'
+        f'<table class="kv"><tr>{head}</tr>{body}</table></section>'
+    )
+
+
 def not_run_section(shown: Reach) -> str:
     """The cells left out of the grids, one line per reason (reach.py), as summary.md has them."""
     if not shown.not_run:
         return ""
-    total = sum(len(group.cells) for group in shown.not_run)
-    rows = "".join(
-        f"<tr><td>{len(group.cells)}</td><td>{esc(group.reason)}</td><td>{esc(group.scope(shown.axes))}</td></tr>"
-        for group in shown.not_run
-    )
-    return (
-        f'<section id="not-run"><h2>Not run here: {total} cells</h2>'
-        "<p>Left out of the grids: every cell of their device, of their precision column, of their model's cells "
+    return table_section(
+        "not-run",
+        f"Not run here: {sum(len(group.cells) for group in shown.not_run)} cells",
+        "Left out of the grids: every cell of their device, of their precision column, of their model's cells "
         "in that column (a precision the kind cannot take: left empty in the grid) or of their model x engine row "
-        "skipped. Each reason says what they need.</p>"
-        f'<table class="kv"><tr><th>cells</th><th>why</th><th>which</th></tr>{rows}</table></section>'
+        "skipped. Each reason says what they need.",
+        ("cells", "why", "which"),
+        [[str(len(g.cells)), esc(g.reason), esc(g.scope(shown.axes))] for g in shown.not_run],
     )
 
 
@@ -397,19 +405,24 @@ def kind_setups_section(document: dict) -> str:
     setups = document.get("kind_setups") or []
     if not setups:
         return ""
-    rows = "".join(
-        f"<tr><td>{esc(s.get('kind'))}</td><td>{'train and eval' if s.get('training') else 'eval'}</td>"
-        f"<td>{esc(', '.join(f'{name} {value:.2f} s' for name, value in (s.get('steps') or {}).items()) or '-')}</td>"
-        f"<td>{seconds(s.get('seconds'))}</td><td>{esc(s.get('outcome'))}"
-        f"{': ' + esc(s['error']) if s.get('error') else ''} (budget {seconds(s.get('budget_s'))})</td></tr>"
-        for s in setups
-    )
-    return (
-        '<section id="kind-setups"><h2>One-time work per kind</h2>'
-        "<p>Done once per kind and process before its first cell, under its own budget; no cell's time or timeout "
-        "includes it.</p>"
-        f'<table class="kv"><tr><th>kind</th><th>for</th><th>work</th><th>seconds</th><th>outcome</th></tr>{rows}'
-        "</table></section>"
+    return table_section(
+        "kind-setups",
+        "One-time work per kind",
+        "Done once per kind and process before its first cell, under its own budget; no cell's time or timeout "
+        "includes it.",
+        ("kind", "for", "work", "seconds", "outcome"),
+        [
+            [
+                esc(s.get("kind")),
+                "train and eval" if s.get("training") else "eval",
+                esc(", ".join(f"{name} {value:.2f} s" for name, value in (s.get("steps") or {}).items()) or "-"),
+                seconds(s.get("seconds")),
+                esc(s.get("outcome"))
+                + (": " + esc(s["error"]) if s.get("error") else "")
+                + f" (budget {seconds(s.get('budget_s'))})",
+            ]
+            for s in setups
+        ],
     )
 
 
