@@ -147,6 +147,34 @@ def deepspeed(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "tests/test_deepspeed.py", "--durations=10", *session.posargs)
 
 
+# The compiled twins of the single-process engines, and the float8 precisions (issue 37).
+COMPILED_ENGINES = "torch-compile,accelerate-compile,hf-trainer-compile,lightning-compile"
+FLOAT8_PRECISIONS = "float8-tensorwise,float8-rowwise,float8-rowwise-gw-hp"
+COMPILE_CI_SLICE = ("--model", "tiny-llama", "--mode", "train", "--device", "cpu")
+
+
+@nox.session(name="compile")
+def compile_and_float8(session: nox.Session) -> None:
+    """torch.compile and float8 training (docs/compile-and-float8.md): tests/test_compile_float8.py
+    and a slice of cells (tiny-llama trained in fp32, bf16-mixed and float8-rowwise, eager and
+    compiled by a hand-written loop) on the `float8` stack (torchao). Inductor's caches live in the
+    session's environment, so a second run reuses every graph the first compiled. The whole grid:
+    nox -s compile -- --all; the float8 stack's cells: nox -s "stack(name='float8')"."""
+    install_stack(session, "test", "float8", stack="float8")
+    session.env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(session.virtualenv.location) / "inductor-cache"))
+    everything = "--all" in session.posargs
+    posargs = [arg for arg in session.posargs if arg != "--all"]
+    if not everything:
+        session.run("python", "-m", "pytest", "tests/test_compile_float8.py", "--durations=10", *posargs)
+    reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
+    if everything:
+        cells = ["--engine", f"torch,accelerate,hf-trainer,lightning,{COMPILED_ENGINES}"]
+    else:
+        cells = [*COMPILE_CI_SLICE, "--precision", "fp32,bf16-mixed,float8-rowwise", "--engine", "torch,torch-compile"]
+    report_dir = str(Path(reports) / "compile-reports")
+    session.run("python", "-m", "matrix", "run", "cases", *cells, "--report-dir", report_dir, *posargs)
+
+
 @nox.session
 def architectures(session: nox.Session) -> None:
     """Every causal-LM architecture of the installed transformers (hf:<model_type>, built tiny

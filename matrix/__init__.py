@@ -7,6 +7,10 @@ Where things live (one home each):
                      register(), lookup, order, names made on demand (hf:<model_type>)
   cell.py          - a cell = model x precision x mode x device x engine, and its id
   precisions.py    - the precision table: one row per precision; engines derive their settings
+  float8.py        - float8 training (torchao): a float8 precision's recipe, the conversion users
+                     run, the layers it converts and leaves out, SQNR
+  compiling.py     - torch.compile: the engines' compiled twins, what Dynamo compiled per phase and
+                     step, graph breaks, recompilations
   modes.py         - train / eval
   devices/         - one file per device (cpu.py, cuda.py): probe, skip reason, placement,
                      process-poisoning errors, environment capture

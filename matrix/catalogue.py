@@ -63,13 +63,16 @@ class Entry:
         """Whether a selector matches the cell's axes and, where it names traits, one of the
         cell's model traits (default: its registered kind's, observed or declared; asked for
         only where the axes match, since observing builds the model)."""
-        axes = cell.axes()
+        axes = {axis: {value} for axis, value in cell.axes().items()}
+        # an engine's compiled twin is that engine too: what an entry says of the engine holds for
+        # the twin, unless it names the twin itself (engine = ["torch-compile"])
+        axes["engine"] |= {twin} if (twin := eager_twin_of(cell.engine)) else set()
         for selector in self.selectors:
             named = {axis: values for axis, values in selector.items() if axis != TRAIT_KEY}
             if not all(
-                axes[axis.removeprefix(EXCEPT_PREFIX)] not in values
+                not (axes[axis.removeprefix(EXCEPT_PREFIX)] & values)
                 if axis.startswith(EXCEPT_PREFIX)
-                else axes[axis] in values
+                else bool(axes[axis] & values)
                 for axis, values in named.items()
             ):
                 continue
@@ -89,6 +92,13 @@ class Entry:
 
     def matches(self, signature_text: str) -> bool:
         return bool(self.signature.search(signature_text))
+
+
+def eager_twin_of(engine: str) -> str | None:
+    """The engine a compiled twin compiles (matrix/compiling.py); None for any other engine."""
+    from matrix.engines import ENGINES
+
+    return getattr(ENGINES.get(engine), "eager_twin", None) if engine in ENGINES else None
 
 
 @dataclass

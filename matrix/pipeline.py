@@ -30,11 +30,13 @@ import torch
 
 from matrix import checks, declared_dtypes, resume
 from matrix.cell_state import CellState, Saved
+from matrix.float8 import sqnr_db
 from matrix.kind_traits import fp32_twin_fall, kind_learning_rate, kind_record
 from matrix.measurements import (
     DROPOUT_OFF,
     effective_settings,
     evaluate_in_precision,
+    evaluate_rows,
     fp32_reference,
     generators_kept,
     loss_before_training,
@@ -76,8 +78,13 @@ class PeerFailed(checks.CheckFailure):
 
 def run_phase(state: CellState, name: str) -> None:
     """One phase of the cell in this process (or rank); then the run it worked on must still be
-    on the cell's device."""
-    PHASES[name](state)
+    on the cell's device. A compiled twin records what Dynamo compiled in the phase, failed or not."""
+    try:
+        PHASES[name](state)
+    finally:
+        if state.compile_watch is not None:
+            state.compile_watch.phase_ended(name)
+            record_compiled(state)
     if not state.group.distributed:
         for run in (state.run, state.restored):
             if run is not None:
@@ -93,7 +100,12 @@ def build(state: CellState) -> torch.nn.Module:
     kind = state.kind
     state.metrics.kind = kind_record(kind, with_rate=state.training)
     state.rate = lambda: _established_rate(state)
-    model = kind.build(state.precision, state.device, state.workdir)
+    if state.engine.compiled:
+        from matrix.compiling import Watch
+
+        state.compile_watch = Watch.begin()
+        state.metrics.compiled = typed.Compiled(how=state.engine.compile_how)
+    model = state.converted(kind.build(state.precision, state.device, state.workdir), state.precision, for_engine=True)
     state.batch = kind.batch(state.device)
     state.metrics.effective = effective_settings(state, model)
     watch_first_forward(state, model)
@@ -120,6 +132,7 @@ def _established_rate(state: CellState) -> float:
 def train_steps(state: CellState) -> None:
     engine = state.engine
     state.run = run = engine.start(state, build(state), training=True)
+    check_float8_converted(state, run)
     engine.check_declared(state, run, "after prepare")
     weights = engine.weights(state, run)
     trainable_before = snapshot_trainable(weights, state.kind)
@@ -127,7 +140,13 @@ def train_steps(state: CellState) -> None:
     dropout_off = None
     if engine.distributed and stochastic_training_forward(state):
         dropout_off = engine.dropout_off_loss(state, run)
+    if state.compile_watch is not None:
+        state.compile_watch.training_started()
     steps = engine.train(state, run, TRAIN_STEPS)
+    if state.compile_watch is not None:
+        state.compile_watch.training_ended()
+        record_compiled(state)
+        state.compile_watch.check_steps()
     record_steps(state, steps, TRAIN_STEPS)
     state.metrics.train_losses = steps.losses
     if engine.owns_loop:
@@ -145,14 +164,17 @@ def train_steps(state: CellState) -> None:
 def mid_training_eval(state: CellState) -> None:
     state.evaluation = state.engine.evaluate(state, state.run)
     check_against_fp32(state, state.evaluation, "mid-training eval", state.engine.weights(state, state.run))
+    check_against_eager(state, state.evaluation)
 
 
 def evaluate(state: CellState) -> None:
     engine = state.engine
     state.run = run = engine.start(state, build(state), training=False)
+    check_float8_converted(state, run)
     engine.check_declared(state, run, "after prepare")
     state.evaluation = result = engine.evaluate(state, run)
     check_against_fp32(state, result, "eval", engine.weights(state, run))
+    check_against_eager(state, result)
     check_agrees_with_torch_engine(state, result.loss.float().item(), "eval")
 
 
@@ -382,6 +404,7 @@ def check_against_fp32(state: CellState, result, label: str, model) -> None:
     metrics.eval_logits_dtype = dtype_name(result.logits.dtype)
     for name, extra in result.extras.items():  # a model's extras have fields: eval_cache_type
         setattr(metrics, "eval_" + name, extra)
+    metrics.logits_sqnr_db = sqnr_db(*real_positions(state, reference.logits, result.logits))
     deviations = position_deviations(result.logits, reference.logits, state.batch.get("attention_mask"))
     for name, deviation in deviations.items():
         setattr(metrics, name, deviation)
@@ -416,6 +439,79 @@ def check_quantization_error(state: CellState, model, value: float, label: str) 
     record.unquantized_deviation_abs = abs(value - reference)
     record.unquantized_tolerance = typed.Tolerance(**tolerance.as_dict())
     checks.check_within_tolerance(f"{label} loss against the unquantized model", value, reference, tolerance)
+
+
+def real_positions(state: CellState, *logits: torch.Tensor) -> list[torch.Tensor]:
+    """Logits at the batch's real positions only, where it has a per-position attention mask: what
+    a fully masked (pad) query returns is the kernel's own (docs/GPU.md) and feeds no loss."""
+    mask = state.batch.get("attention_mask")
+    if mask is None or any(t.shape[:2] != mask.shape for t in logits):
+        return [t.float() for t in logits]
+    return [t.float()[mask != 0] for t in logits]
+
+
+def check_float8_converted(state: CellState, run) -> None:
+    """A float8 cell's model, as the engine's library holds it after prepare, has float8 layers
+    (converted by the harness as users do, or by the library): which ones, and which Linear
+    layers were left out and why, go to the record. A run holding none is not training in float8."""
+    if state.precision.float8 is None:
+        return
+    from matrix.float8 import record
+
+    held = record(state.engine.weights(state, run))
+    by = (
+        "the library (its own fp8 setting)"
+        if state.engine.converts_float8
+        else "the harness, as users convert before the library"
+    )
+    state.metrics.float8 = typed.Float8Record(**held, converted_by=by)
+    if not held["converted"]:
+        raise checks.CheckFailure(
+            "float8: the run's model holds no float8 layer after prepare",
+            details=f"{len(held['left_out'])} Linear layers left in high precision",
+        )
+
+
+def record_compiled(state: CellState) -> None:
+    """What Dynamo compiled so far in a compiled twin's cell, in its record."""
+    for name, value in state.compile_watch.record().items():
+        setattr(state.metrics.compiled, name, value)
+
+
+def check_against_eager(state: CellState, result) -> None:
+    """A compiled twin's evaluation against its eager twin: the same weights evaluated without
+    compile, as the run evaluates. The logits' dtype is the same (Inductor's own tests require
+    it); the loss is within the compiled-vs-eager row of the precision's compute dtype."""
+    if not state.engine.compiled:
+        return
+    from matrix.tolerances import compiled_vs_eager_tolerance
+
+    engine = state.engine
+    if engine.owns_loop:  # the library's evaluation was taken after step k: the weights held there
+        eager = evaluate_as_run(state, engine.exported(state, state.run))
+    else:  # the harness's own evaluation through the run's module, that module without compile
+        from matrix.compiling import plain
+
+        eager = evaluate_rows(state, plain(engine.module(state, state.run)), autocast=not engine.forward_autocasts)
+    record = state.metrics.compiled
+    tolerance = compiled_vs_eager_tolerance(state.precision.compute_dtype)
+    value = checks.check_finite_loss(result.loss, "compiled eval loss")
+    reference = checks.check_finite_loss(eager.loss, "eager twin's eval loss")
+    record.eager_logits_dtype = dtype_name(eager.logits.dtype)
+    record.eager_loss = reference
+    record.eager_deviation_abs = abs(value - reference)
+    record.eager_logits_max_abs_difference = (result.logits.float() - eager.logits.float()).abs().max().item()
+    record.eager_tolerance = typed.Tolerance(**tolerance.as_dict())
+    record.comparison = "within the compiled-vs-eager row of its compute dtype (Inductor fuses away roundings)"
+    # a loop the library owns evaluates through wrappers the plain model lacks (the Trainer's
+    # accelerate returns fp32 logits): there the dtypes are recorded, and compared only in a loop
+    # whose evaluation is the harness's own through the run's module
+    if not state.engine.owns_loop and result.logits.dtype != eager.logits.dtype:
+        raise checks.DtypeContractBroken(
+            "compiled eval logits have another dtype than the eager twin's",
+            details=f"compiled {dtype_name(result.logits.dtype)}, eager {dtype_name(eager.logits.dtype)}",
+        )
+    checks.check_within_tolerance("compiled eval loss against the eager twin", value, reference, tolerance)
 
 
 def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> None:

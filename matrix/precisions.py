@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from matrix.float8 import Float8
 from matrix.quantization import Quantization
 from matrix.registry import Registry
 
@@ -37,6 +38,9 @@ class Precision:
     # quantizes the kind's linear layers; weights_dtype is the dtype= it is asked for, which the
     # unquantized weights take. Only kinds that train adapters over a frozen base run it.
     quantization: Quantization | None = None
+    # float8 training (matrix/float8.py): the model's Linear layers converted with one of torchao's
+    # recipes, over the bf16 compute the rest of the row declares
+    float8: Float8 | None = None
 
     def contradictions(self) -> list[str]:
         """Settings that cannot hold together, found before any step runs."""
@@ -51,6 +55,8 @@ class Precision:
     @property
     def compute_dtype(self) -> torch.dtype:
         """Lowest precision the matmuls run in: what the fp32 tolerance is chosen by."""
+        if self.float8 is not None:
+            return FLOAT8_COMPUTE
         quantized = self.quantization.compute_dtype if self.quantization else None
         if quantized in HALF_DTYPES:
             return quantized
@@ -58,8 +64,12 @@ class Precision:
 
     @property
     def requires(self) -> tuple[str, ...]:
-        """The packages it needs beyond torch (matrix/packages.py): a quantized base's library."""
-        return self.quantization.requires if self.quantization else ()
+        """The packages it needs beyond torch (matrix/packages.py): a quantized base's library,
+        float8's."""
+        return (
+            *(self.quantization.requires if self.quantization else ()),
+            *(self.float8.requires if self.float8 else ()),
+        )
 
     @property
     def half_dtypes(self) -> frozenset[torch.dtype]:
@@ -84,10 +94,13 @@ class Precision:
             "grad_accumulation": self.grad_accumulation,
             "reduce_dtype": dtype_name(self.reduce_dtype) if self.reduce_dtype else None,
             "quantization": self.quantization.settings() if self.quantization else None,
+            "float8": self.float8.settings() if self.float8 else None,
         }
 
 
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+# what a float8 precision's converted matmuls run in (their forward's e4m3): its tolerance rows' key
+FLOAT8_COMPUTE = torch.float8_e4m3fn
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -169,6 +182,19 @@ for _precision in (
         "LLM.int8 base (load_in_8bit), fp16 weights loaded, fp16 autocast, GradScaler",
         "load",
         quantization=Quantization("int8"),
+    ),
+    # float8 training with torchao (matrix/float8.py), as torchtitan and accelerate's fp8 run it:
+    # fp32 master weights, bf16 autocast, the Linear layers converted with one of its recipes
+    *(
+        Precision(
+            f"float8-{recipe.replace('_with_gw_hp', '-gw-hp')}",
+            _F32,
+            _BF16,
+            False,
+            f"torchao float8 training, {recipe} recipe; fp32 master weights, bf16 autocast",
+            float8=Float8(recipe),
+        )
+        for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
     ),
 ):
     register(_precision)

@@ -52,7 +52,7 @@ class Registry(Mapping, Generic[T]):
         self._provided: dict[str, T] = {}
         self._every: dict[str, object] = {}
 
-    def register(self, item: T) -> T:
+    def register(self, item: T, registered_in: str | None = None) -> T:
         if not isinstance(item, self.kind):
             raise RegistrationError(f"{self.what}: {item!r} is not a {self.kind.__name__}")
         name = getattr(item, "name", None)
@@ -68,7 +68,7 @@ class Registry(Mapping, Generic[T]):
         self._items[name] = item
         # the module whose code called register(): importing it registers the item in another
         # process (the distributed engines' ranks)
-        self._registered_in[name] = sys._getframe(1).f_globals.get("__name__", "")
+        self._registered_in[name] = registered_in or sys._getframe(1).f_globals.get("__name__", "")
         return item
 
     def provide(self, prefix: str, factory, every=None) -> None:

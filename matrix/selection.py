@@ -44,14 +44,22 @@ def axis_values() -> dict[str, tuple[str, ...]]:
     }
 
 
+def named_only(axis: str, value: str) -> bool:
+    """Whether a value runs only where a selection names it: a model kind made on demand
+    (hf:<model_type>), an engine's compiled twin (<engine>-compile: its own nox session)."""
+    if axis == "model":
+        return value in MODELS.provided()
+    return axis == "engine" and ENGINES[value].compiled
+
+
 def parse_selection(axis: str, text: str | None) -> tuple[str, ...]:
     """'a,b' -> ('a', 'b'), in the axis' own order; None or '' -> every value of the axis. On the
     model axis, hf:<model_type> and hf:<path> make their kinds, and hf:* every causal-LM type
     (they follow the registered kinds, in the order given)."""
     valid = axis_values()[axis]
     wanted = [value.strip() for value in (text or "").split(",") if value.strip()]
-    if not wanted:  # the registered values: a kind made on demand runs only where named
-        return tuple(value for value in valid if axis != "model" or value not in MODELS.provided())
+    if not wanted:  # the registered values: a kind made on demand, or a compiled twin, runs only where named
+        return tuple(value for value in valid if not named_only(axis, value))
     if axis == "model":
         wanted = expanded(wanted)
         for value in wanted:

@@ -234,6 +234,13 @@ def registered_engines() -> dict[str, str]:
                 try:
                     for values in _bindings(node, parents, constants):
                         found[named.name(node, constants, values)] = path.name
+                        # register_with_compiled_twin(Engine()) registers `<name>-compile` beside it
+                        outer = parents.get(node)
+                        if (
+                            isinstance(outer, ast.Call)
+                            and getattr(outer.func, "id", None) == "register_with_compiled_twin"
+                        ):
+                            found[named.name(node, constants, values) + "-compile"] = path.name
                 except (ValueError, KeyError, TypeError) as error:
                     raise AssertionError(
                         f"{rel(path)}, line {node.lineno}: cannot read the name of the engine {cls} makes here "

@@ -44,10 +44,13 @@ def test_every_precision_the_issue_names_exists():
     assert set(AXES["model"]) >= {"tiny-transformer", "tiny-llama", "lora", "gemma-cache"}
     assert AXES["mode"] == ("train", "eval") and AXES["device"] == ("cpu", "cuda")
     assert AXES["engine"] == (
-        *("torch", "accelerate", "hf-trainer", "lightning", "ddp", "fsdp2", "accelerate-fsdp2"),
+        *("torch", "torch-compile", "accelerate", "accelerate-compile", "hf-trainer", "hf-trainer-compile"),
+        *("lightning", "lightning-compile", "ddp", "fsdp2", "accelerate-fsdp2"),
         *("deepspeed-zero0", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"),
         *("hf-trainer-zero2", "hf-trainer-zero3"),
     )
+    # the compiled twins run only where a selection names them (docs/compile-and-float8.md)
+    assert parse_selection("engine", None) == tuple(e for e in AXES["engine"] if not e.endswith("-compile"))
 
 
 def test_cell_ids_read_like_the_cell_and_are_unique():
@@ -78,4 +81,5 @@ def test_options_and_k_combine(run_pytest):
         "-q",
     )
     collected = sorted(line.split("[")[1].rstrip("]") for line in done.stdout.splitlines() if "::test_cell[" in line)
-    assert collected == sorted(f"{m}-bf16-mixed-eval-cpu-{e}" for m in AXES["model"] for e in AXES["engine"])
+    engines = parse_selection("engine", None)
+    assert collected == sorted(f"{m}-bf16-mixed-eval-cpu-{e}" for m in AXES["model"] for e in engines)

@@ -5,11 +5,13 @@ library. The files, and the engines each registers, in the axis' order:
   base.py          - what an engine supplies (Engine; Loop, LibraryLoop: who owns the loop), the
                      ENGINES registry, and the check that the harness can see into an engine's runs
   torch_loop.py    - `torch`: torch.autocast and GradScaler around a hand-written loop; its
-                     checkpoint format, which ddp shares
+                     checkpoint format, which ddp shares; `torch-compile`, its compiled twin
   accelerate_loop.py - `accelerate`: Accelerator(mixed_precision=...), prepare, save_state /
-                     load_state
-  hf_trainer.py    - `hf-trainer`: the transformers Trainer's own loop, resume_from_checkpoint
-  lightning_loop.py - `lightning`: a Lightning Trainer(precision=...)'s fit(), ckpt_path resume
+                     load_state; `accelerate-compile`
+  hf_trainer.py    - `hf-trainer`: the transformers Trainer's own loop, resume_from_checkpoint;
+                     `hf-trainer-compile`
+  lightning_loop.py - `lightning`: a Lightning Trainer(precision=...)'s fit(), ckpt_path resume;
+                     `lightning-compile`
   distributed.py   - what the distributed engines share: DistributedEngine, the driver side that
                      sends a cell's phases to the ranks, the rank side, sharded weights gathered
   ddp.py           - `ddp`: DistributedDataParallel, with compress hooks for half-precision reduction
@@ -19,6 +21,9 @@ library. The files, and the engines each registers, in the axis' order:
                      DeepSpeed's own engine, one per ZeRO stage
   hf_trainer_deepspeed.py - `hf-trainer-zero2`, `hf-trainer-zero3`: the Trainer with a DeepSpeed
                      config of that ZeRO stage
+
+The four single-process engines each register a compiled twin beside them (base.py
+register_with_compiled_twin, matrix/compiling.py), which runs only where a selection names it.
 
 A new engine is one file here (an Engine subclass and a register() call) plus its library in
 pyproject.toml; a user's engine registers from their plugin.

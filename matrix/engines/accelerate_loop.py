@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from matrix import checks
-from matrix.engines.base import EngineSettings, Loop, Unsupported, one_switch_unsupported, register
+from matrix.compiling import plain
+from matrix.engines.base import EngineSettings, Loop, Unsupported, one_switch_unsupported, register_with_compiled_twin
 from matrix.libraries.accelerate import reset_accelerate, resume_from_saved_state
 from matrix.measurements import same_weights_copy
 from matrix.precisions import Precision
@@ -21,7 +22,9 @@ from matrix.precisions import Precision
 
 @dataclass(frozen=True)
 class AccelerateSettings(EngineSettings):
-    mixed_precision: str = "no"  # accelerate's switch: no | fp16 | bf16
+    mixed_precision: str = "no"  # accelerate's switch: no | fp16 | bf16 | fp8
+    fp8_backend: str | None = None  # fp8: AORecipeKwargs, torchao's recipe (matrix/float8.py)
+    fp8_recipe: str | None = None
 
 
 @dataclass
@@ -38,11 +41,15 @@ class AccelerateEngine(Loop):
     Run = AccelerateRun
     forward_autocasts = True
     requires = ("accelerate",)
+    compile_how = "Accelerator(dynamo_backend='inductor'): prepare() compiles the model"
+    converts_float8 = True  # mixed_precision='fp8' with AORecipeKwargs: prepare() converts the model
 
     def derive_settings(self, precision: Precision) -> AccelerateSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "an accelerate setting", precision)
         if unsupported:
             return unsupported
+        if precision.float8 is not None:
+            return AccelerateSettings(mixed_precision="fp8", fp8_backend="ao", fp8_recipe=precision.float8.recipe)
         switch = {None: "no", torch.float16: "fp16", torch.bfloat16: "bf16"}[precision.autocast_dtype]
         return AccelerateSettings(mixed_precision=switch)
 
@@ -50,7 +57,14 @@ class AccelerateEngine(Loop):
         from accelerate import Accelerator  # imported when a cell first runs here
 
         state.device_kind.activate(state.device)
-        accelerator = Accelerator(mixed_precision=state.settings.mixed_precision, cpu=state.device.type == "cpu")
+        options = {"dynamo_backend": "inductor"} if self.compiled else {}
+        if state.settings.fp8_backend == "ao":
+            from accelerate.utils import AORecipeKwargs
+
+            options["kwargs_handlers"] = [AORecipeKwargs(config=state.precision.float8.config())]
+        accelerator = Accelerator(
+            mixed_precision=state.settings.mixed_precision, cpu=state.device.type == "cpu", **options
+        )
         state.metrics.engine_effective = {
             "mixed_precision": accelerator.mixed_precision,
             "native_amp": accelerator.native_amp,
@@ -82,7 +96,7 @@ class AccelerateEngine(Loop):
         return None if scaler is None else scaler.state_dict()
 
     def exported(self, state, run: AccelerateRun):
-        return same_weights_copy(state, run.model)  # without accelerate's forward wrapper
+        return same_weights_copy(state, plain(run.model))  # without accelerate's forward wrapper, or compile's
 
     def save(self, state, run: AccelerateRun, directory) -> None:
         run.accelerator.save_state(str(directory))
@@ -94,4 +108,4 @@ class AccelerateEngine(Loop):
         reset_accelerate()
 
 
-register(AccelerateEngine())
+register_with_compiled_twin(AccelerateEngine())

@@ -48,13 +48,16 @@ A distributed engine (matrix/engines/distributed.py) is the same, run in every r
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from matrix import checks
+from matrix.compiling import plain
 from matrix.measurements import (
     dropout_off_rows_loss,
     evaluate_rows,
@@ -143,6 +146,16 @@ class Engine(abc.ABC):
     # the packages its library needs beyond torch, as pip names them (matrix/packages.py): without
     # one its cells skip, and a cell run anyway (a replay) fails at once, naming it
     requires: tuple[str, ...] = ()
+    # How the library is told to compile the model, in words; None: the engine has no compiled
+    # twin. An engine that says how registers with register_with_compiled_twin(): its twin,
+    # `<name>-compile`, is the same engine with `compiled` set (matrix/compiling.py), and runs
+    # only where a selection names it.
+    compile_how: str | None = None
+    compiled = False
+    eager_twin: str | None = None  # a compiled twin's engine: the catalogue selects it as that engine
+    # True: the library converts the model to float8 itself (accelerate's fp8 with torchao); else
+    # the harness converts it before start(), as users of the library do (matrix/float8.py)
+    converts_float8 = False
 
     # ---------------------------------------------------------------- settings
 
@@ -225,8 +238,9 @@ class Engine(abc.ABC):
 
     @reads("model")
     def weights(self, state, run) -> torch.nn.Module:
-        """A module holding the run's weights, whole, in the dtypes the run holds them."""
-        return run.model
+        """A module holding the run's weights, whole, in the dtypes the run holds them (the module
+        torch.compile wrapped, in a compiled twin)."""
+        return plain(run.model)
 
     def master_weights(self, state, run) -> dict[str, torch.Tensor]:
         """The fp32 master weights the optimizer steps where they are not the parameters, by
@@ -302,6 +316,16 @@ class Engine(abc.ABC):
         return found
 
 
+def compiled_twin(engine: Engine) -> Engine:
+    """The engine with its library told to compile the model: `<name>-compile`."""
+    if engine.compile_how is None:
+        raise RegistrationError(f"engine {engine.name!r} says nothing of how its library compiles (compile_how)")
+    twin = copy.copy(engine)
+    twin.name, twin.compiled, twin.eager_twin = f"{engine.name}-compile", True, engine.name
+    twin.description = f"{engine.description}; compiled: {engine.compile_how}"
+    return twin
+
+
 def check_complete(engine: Engine) -> None:
     problems = engine.incomplete()
     if problems:
@@ -310,6 +334,14 @@ def check_complete(engine: Engine) -> None:
 
 ENGINES: Registry[Engine] = Registry("engine", Engine, check=check_complete)
 register = ENGINES.register
+
+
+def register_with_compiled_twin(engine: Engine) -> Engine:
+    """Register the engine and its compiled twin (which runs only where a selection names it)."""
+    module = sys._getframe(1).f_globals.get("__name__", "")  # importing it registers both elsewhere (a rank)
+    ENGINES.register(engine, registered_in=module)
+    ENGINES.register(compiled_twin(engine), registered_in=module)
+    return engine
 
 
 def one_switch_unsupported(engine: str, what: str, precision: Precision) -> Unsupported | None:
@@ -355,7 +387,13 @@ class Loop(Engine):
 
     def train(self, state, run, steps: int) -> Steps:
         self.module(state, run).train()  # an evaluation left it in eval mode
-        losses, skipped = take_steps(lambda: self.step(state, run), steps)
+
+        def step():
+            taken = self.step(state, run)
+            state.step_ended()
+            return taken
+
+        losses, skipped = take_steps(step, steps)
         return Steps(losses, len(losses) - skipped)
 
     def evaluate(self, state, run) -> EvalOutput:
@@ -456,7 +494,7 @@ class LibraryLoop(Engine):
         evaluation there)."""
         from matrix.quantization import float_tensors
 
-        weights = self.live_weights(state, run)
+        weights = plain(self.live_weights(state, run))
         held = weights.state_dict() if state.precision.quantization is None else float_tensors(weights)
         if run.progress.resumed:  # the steps it applies count from the checkpoint's
             run.progress.applied_before = self.live_applied(state, run)
@@ -469,6 +507,7 @@ class LibraryLoop(Engine):
         )
 
     def step_ended(self, state, run, loss: float) -> None:
+        state.step_ended()
         progress = run.progress
         progress.losses.append(loss)
         progress.applied_after.append(self.live_applied(state, run))
@@ -530,7 +569,7 @@ class LibraryLoop(Engine):
     def weights(self, state, run) -> torch.nn.Module:
         held = self._held(run)
         if held is None:
-            return self.live_weights(state, run)
+            return plain(self.live_weights(state, run))
         if run.progress.weights_model is None:
             run.progress.weights_model = model_holding(state, held.weights)
         return run.progress.weights_model

@@ -23,7 +23,7 @@ from matrix.engines.base import (
     LoopProgress,
     Unsupported,
     one_switch_unsupported,
-    register,
+    register_with_compiled_twin,
 )
 from matrix.libraries.accelerate import reset_accelerate
 from matrix.libraries.trainer import (
@@ -47,6 +47,7 @@ RESUMED_DIR = "resumed"  # the resumed run's
 class TrainerSettings(EngineSettings):
     fp16: bool = False
     bf16: bool = False
+    torch_compile: bool | None = None  # the compiled twin: TrainingArguments(torch_compile=True)
 
 
 @dataclass
@@ -110,6 +111,7 @@ class HFTrainerEngine(LibraryLoop):
     axis_position = 2
     Run = TrainerRun
     forward_autocasts = True  # the Trainer's accelerate wraps the model's forward in its autocast
+    compile_how = "TrainingArguments(torch_compile=True): the Trainer's accelerate compiles the model it prepares"
     requires = ("transformers", "accelerate")  # the Trainer refuses to start without accelerate
     # a Trainer subclass (a user's, with its own compute_loss); None: transformers' Trainer
     trainer_class: type | None = None
@@ -122,7 +124,9 @@ class HFTrainerEngine(LibraryLoop):
         if unsupported:
             return unsupported
         return TrainerSettings(
-            fp16=precision.autocast_dtype == torch.float16, bf16=precision.autocast_dtype == torch.bfloat16
+            fp16=precision.autocast_dtype == torch.float16,
+            bf16=precision.autocast_dtype == torch.bfloat16,
+            torch_compile=True if self.compiled else None,
         )
 
     # ---------------------------------------------------------------- the Trainer
@@ -210,6 +214,8 @@ class HFTrainerEngine(LibraryLoop):
     # ---------------------------------------------------------------- what the Trainer holds
 
     def module(self, state, run: TrainerRun):
+        if self.compiled:  # the Trainer's accelerate compiles the model it prepares: model_wrapped
+            return run.trainer.model_wrapped
         return run.trainer.model
 
     def live_weights(self, state, run: TrainerRun):
@@ -234,4 +240,4 @@ class HFTrainerEngine(LibraryLoop):
         return max((int(entry["step"]) for entry in inner.state.values() if "step" in entry), default=0)
 
 
-register(HFTrainerEngine())
+register_with_compiled_twin(HFTrainerEngine())

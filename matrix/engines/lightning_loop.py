@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 
 from matrix import checks
+from matrix.compiling import plain
 from matrix.engines.base import (
     EngineSettings,
     LibraryLoop,
     LoopProgress,
     Unsupported,
     one_switch_unsupported,
-    register,
+    register_with_compiled_twin,
 )
 from matrix.measurements import fresh_model, generators_kept, model_holding, return_from_library_device
 from matrix.precisions import Precision
@@ -126,6 +127,7 @@ class LightningEngine(LibraryLoop):
     axis_position = 3
     Run = LightningRun
     requires = ("lightning",)
+    compile_how = "the LightningModule's model compiled (self.model = torch.compile(model)), as Lightning's docs show"
 
     def derive_settings(self, precision: Precision) -> LightningSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "a Lightning precision", precision)
@@ -141,6 +143,10 @@ class LightningEngine(LibraryLoop):
 
     def _run(self, state, model, training: bool, resumed: bool = False) -> LightningRun:
         lightning = _lightning()
+        if self.compiled:
+            from matrix.compiling import compile_module
+
+            model = compile_module(model)
         run = LightningRun(trainer=None, module=lightning.CellModule(state, model))
         if training:
             run.progress = LoopProgress(phase="checkpoint_reload" if resumed else "train_steps", resumed=resumed)
@@ -223,7 +229,7 @@ class LightningEngine(LibraryLoop):
         return run.module.model
 
     def live_weights(self, state, run: LightningRun):
-        return run.module.model
+        return plain(run.module.model)  # the compiled twin's model, without compile's wrapper
 
     def exported(self, state, run: LightningRun):
         return self.weights(state, run)  # the module's own model: no wrapper around its forward
@@ -242,9 +248,13 @@ class LightningEngine(LibraryLoop):
         run itself as fit() holds it (bitsandbytes' int8 layers keep state from a forward)."""
         from matrix.quantization import float_tensors
 
-        model = run.module.model
+        model = plain(run.module.model)
         weights = model.state_dict() if state.precision.quantization is None else float_tensors(model)
         copy = model_holding(state, weights).eval()
+        if self.compiled:  # evaluated as the resumed fit() would validate it: compiled
+            from matrix.compiling import compile_module
+
+            copy = compile_module(copy)
         with generators_kept(state), state.eval_grad_context(), run.trainer.precision_plugin.forward_context():
             return state.kind.evaluate(copy, state.batch)
 
@@ -255,4 +265,4 @@ class LightningEngine(LibraryLoop):
         return max((int(entry["step"]) for entry in optimizers[0].state.values() if "step" in entry), default=0)
 
 
-register(LightningEngine())
+register_with_compiled_twin(LightningEngine())

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from matrix.engines.base import EngineSettings, Loop, LoopRun, register
+from matrix.compiling import compile_module
+from matrix.engines.base import EngineSettings, Loop, LoopRun, register_with_compiled_twin
 from matrix.precisions import Precision, dtype_name
 
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -53,6 +54,7 @@ class TorchEngine(Loop):
     description = "hand-written loop: torch.autocast, torch.amp.GradScaler, AdamW"
     axis_position = 0
     fixed_variant_fields = ()  # its step accumulates the precision's (or variant's) micro-batches
+    compile_how = "model = torch.compile(model) before the loop, and after loading a checkpoint"
 
     def derive_settings(self, precision: Precision) -> TorchSettings:
         return TorchSettings(
@@ -64,9 +66,12 @@ class TorchEngine(Loop):
 
     def start(self, state, model, training: bool) -> LoopRun:
         if not training:
-            return LoopRun(model)
+            return LoopRun(self.compiled_if_asked(model))
         model.train()
-        return LoopRun(model, state.new_optimizer(model), state.new_grad_scaler())
+        return LoopRun(self.compiled_if_asked(model), state.new_optimizer(model), state.new_grad_scaler())
+
+    def compiled_if_asked(self, model):
+        return compile_module(model) if self.compiled else model
 
     def save(self, state, run: LoopRun, directory) -> None:
         save_checkpoint(state, run, directory)
@@ -75,7 +80,9 @@ class TorchEngine(Loop):
         return checkpoint  # the model in its kind's own format is already there
 
     def restore(self, state, directory, training: bool) -> LoopRun:
-        return load_checkpoint(state, directory, training)
+        run = load_checkpoint(state, directory, training)
+        run.model = self.compiled_if_asked(run.model)
+        return run
 
 
-register(TorchEngine())
+register_with_compiled_twin(TorchEngine())

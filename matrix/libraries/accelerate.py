@@ -16,9 +16,7 @@ def reset_accelerate() -> None:
 def resume_from_saved_state(engine, state, directory, training: bool):
     """A resumed run as a new process starts it: a new Accelerator over a fresh model and its
     optimizer (engine.start), then Accelerator.load_state of what save_state wrote."""
-    from matrix.measurements import fresh_model
-
     reset_accelerate()
-    run = engine.start(state, fresh_model(state), training)
+    run = engine.start(state, state.fresh_model(for_engine=True), training)
     run.accelerator.load_state(str(directory))
     return run

@@ -102,6 +102,8 @@ def training_arguments(state, max_steps: int, output: Path, rows: int, **overrid
         dataloader_num_workers=0,
     )
     arguments.update(fp16=state.settings.fp16, bf16=state.settings.bf16)
+    if getattr(state.settings, "torch_compile", None):
+        arguments.update(torch_compile=True)
     arguments.update(overrides)
     return trainer_classes().TrainingArguments(**arguments)
 

@@ -165,7 +165,11 @@ class ModelKind(abc.ABC):
 
     def precision_skip_reason(self, precision: Precision) -> str | None:
         """Why this kind cannot run `precision` here ("Requires: [...] (...)"), or None: a
-        quantized base needs a kind that trains adapters over it, and bitsandbytes."""
+        quantized base needs a kind that trains adapters over it, and bitsandbytes; float8, torchao."""
+        if precision.float8 is not None:
+            from matrix import packages
+
+            return packages.skip_reason(precision.float8.requires)
         if precision.quantization is None:
             return None
         if not self.quantizable:

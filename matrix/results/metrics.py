@@ -197,6 +197,34 @@ class Quantized(Record):
 
 
 @dataclass(slots=True)
+class Float8Record(Record):
+    """float8 training (matrix/float8.py): what was converted, and how far its outputs are from fp32."""
+
+    converted: list | None = UNSET  # the Float8Linear layers of the run's model, observed after prepare
+    left_out: dict | None = UNSET  # the Linear layers left in high precision -> why
+    converted_by: str | None = UNSET  # who converted them: the harness as users do, or the library
+
+
+@dataclass(slots=True)
+class Compiled(Record):
+    """torch.compile (matrix/compiling.py): what was compiled, per phase, and the eager twin's agreement."""
+
+    how: str | None = UNSET  # how the engine's library compiles the model
+    graphs_by_phase: dict | None = UNSET  # phase -> graphs Dynamo compiled in it
+    graphs_per_training_step: list | None = UNSET  # graphs compiled in each of the first run's steps
+    frames_run_eagerly: int | None = UNSET  # frames Dynamo gave up on (they ran eagerly)
+    graph_breaks: dict | None = UNSET  # graph break reason -> count, over the cell
+    recompile_reasons: list | None = UNSET  # the guards that failed, over the cell
+    cache: dict | None = UNSET  # Inductor's FX graph cache and AOTAutograd's cache: hits and misses
+    eager_logits_dtype: str | None = UNSET  # the eager twin's eval logits dtype
+    eager_loss: float | None = UNSET  # the same weights evaluated eagerly (the eager twin)
+    eager_deviation_abs: float | None = UNSET  # |compiled eval loss - eager eval loss|
+    eager_logits_max_abs_difference: float | None = UNSET  # the largest |compiled logit - eager logit|
+    eager_tolerance: Tolerance | None = UNSET  # what the loss deviation may be (matrix/tolerances.py)
+    comparison: str | None = UNSET  # within a tolerance row, or bit for bit under emulate_precision_casts
+
+
+@dataclass(slots=True)
 class Resume(Record):
     """A resumed step k+1 against the same run uninterrupted (matrix/resume.py)."""
 
@@ -240,7 +268,10 @@ class CellMetrics(Record):
     fp32_deviation_rel: float | None = UNSET  # that, relative to the reference
     fp32_tolerance: Tolerance | None = UNSET  # what deviation the check allows
     quantized: Quantized | None = UNSET  # a quantized base's storage, deviations and saves
+    float8: Float8Record | None = UNSET  # float8 training: the converted layers, the SQNR against fp32
+    compiled: Compiled | None = UNSET  # torch.compile: graphs, breaks, recompiles, the eager twin
     eval_logits_dtype: str | None = UNSET  # the dtype of the eval logits
+    logits_sqnr_db: float | None = UNSET  # eval logits vs the fp32 reference's: SQNR, dB (null: identical)
     eval_cache_type: str | None = UNSET  # a causal LM's KV cache class in evaluation
     real_position_logits_max_abs_deviation: float | None = UNSET  # largest |logit - fp32 logit|, real tokens
     pad_position_logits_max_abs_deviation: float | None = UNSET  # the same at pad positions, null: no pad
