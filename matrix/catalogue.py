@@ -98,7 +98,7 @@ def eager_twin_of(engine: str) -> str | None:
     """The engine a compiled twin compiles (matrix/compiling.py); None for any other engine."""
     from matrix.engines import ENGINES
 
-    return getattr(ENGINES.get(engine), "eager_twin", None) if engine in ENGINES else None
+    return getattr(ENGINES.get(engine), "eager_twin", None)
 
 
 @dataclass

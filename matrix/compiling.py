@@ -39,9 +39,7 @@ def compile_module(model: torch.nn.Module) -> torch.nn.Module:
 
 def plain(module: torch.nn.Module) -> torch.nn.Module:
     """The module torch.compile wrapped (its weights, its eager forward); any other module as it is."""
-    return (
-        getattr(module, "_orig_mod", module) if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
-    )
+    return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
 
 
 def _counters() -> dict[str, dict[str, int]]:

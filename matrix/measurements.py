@@ -21,6 +21,7 @@ import torch
 from matrix import checks
 from matrix.cell import Cell
 from matrix.cell_state import CellState
+from matrix.compiling import plain
 from matrix.models.base import EvalOutput
 from matrix.observation import observe
 from matrix.precisions import PRECISIONS, dtype_name
@@ -99,8 +100,8 @@ def seed_first_training_forward(state: CellState, model) -> None:
     """
 
     def seed(module, args):
-        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) and module._orig_mod is model:
-            module = module._orig_mod  # a compiled twin: seeded at the compiled module's call, which runs eagerly
+        if module is not model and plain(module) is model:
+            module = model  # a compiled twin: seeded at the compiled module's call, which runs eagerly
         elif torch.compiler.is_compiling():
             return  # inside a traced graph: seeding there would break it (manual_seed is not traced)
         if module is model and not state.hooks.paused:

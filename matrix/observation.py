@@ -7,6 +7,8 @@ on the CPU in fp32:
 
 - which parameters train: all of them (trait `full-weights`) or a strict subset (`adapters`);
 - nn.LayerNorm modules (`layer-norm`);
+- the Linear layers float8's conversion would swap (matrix/float8.py's filter): none at all
+  (`no-float8-layers`: GPT-2's projections are Conv1D);
 - the mode the model is built in: eval mode, as from_pretrained() returns a model, from
   create() (`from-pretrained`) or, for the *-loaded-* precisions, from the kind's checkpoint
   read back with load_weights() (`loaded-from-pretrained`); and where the model came from;
@@ -36,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from matrix import float8
+
 IGNORE_INDEX = -100  # the label torch's cross entropy (and so transformers' losses) skips
 
 # How a loss may average over a batch: rule name -> items per row. Tried in this order; the
@@ -59,6 +63,7 @@ class Observation:
     parameters: int = 0
     trainable_parameters: int = 0
     layer_norm_modules: int = 0
+    float8_layers: int | None = None  # Linear layers float8's filter converts (matrix/float8.py)
     # frozen nn.Linear layers with a bias (Qwen2's q/k/v projections in a peft base): a quantized
     # base replaces their weight and keeps the bias a plain float parameter
     frozen_linear_biases: int = 0
@@ -105,6 +110,8 @@ class Observation:
             found.add("adapters")
         if self.layer_norm_modules:
             found.add("layer-norm")
+        if self.float8_layers == 0:
+            found.add("no-float8-layers")
         if self.frozen_linear_biases:
             found.add("frozen-linear-bias")
         if self.created_in_eval_mode:
@@ -133,6 +140,7 @@ class Observation:
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
             "layer_norm_modules": self.layer_norm_modules,
+            "float8_layers": self.float8_layers,
             "frozen_linear_biases": self.frozen_linear_biases,
             "dropout_modules": list(self.dropout_modules),
             "stochastic_training_forward": self.stochastic_training_forward,
@@ -375,6 +383,7 @@ def _observe(kind) -> Observation:
                 parameters=sum(p.numel() for p in parameters),
                 trainable_parameters=sum(p.numel() for p in parameters if p.requires_grad),
                 layer_norm_modules=sum(isinstance(m, nn.LayerNorm) for m in model.modules()),
+                float8_layers=len(float8.linear_names(model)) - len(float8.left_out(model)),
                 frozen_linear_biases=sum(
                     isinstance(m, nn.Linear) and m.bias is not None and not m.bias.requires_grad
                     for m in model.modules()

@@ -64,7 +64,12 @@ def test_a_users_decoder_with_module_dropout_right_padding_and_ignored_labels(us
     kind, module = user_gpt2
     found = observe(kind)
     assert found.error is None
-    assert found.traits == {"full-weights", "layer-norm", "dropout", "loaded-from-pretrained", "unmapped-loss-type"}
+    # GPT-2's projections are Conv1D, its one Linear the lm_head float8 leaves out: no float8 layer
+    assert found.traits == {
+        *("full-weights", "layer-norm", "dropout", "loaded-from-pretrained", "unmapped-loss-type"),
+        "no-float8-layers",
+    }
+    assert found.float8_layers == 0
     assert found.unmapped_loss_type == "GPT2LMHeadModel"
     assert found.stochastic_training_forward
     assert "transformer.drop (p=0.1)" in found.dropout_modules

@@ -40,6 +40,10 @@ TRAITS: dict[str, str] = {
         "e_score_correction_bias, which only routes), and its loader gives them back trainable"
     ),
     "layer-norm": "has torch nn.LayerNorm modules, whose weights take the precision's dtype",
+    "no-float8-layers": (
+        "has no nn.Linear layer float8 training converts (its projections are other modules, GPT-2's Conv1D; "
+        "the first and last Linear layers are left out)"
+    ),
     "frozen-linear-bias": (
         "has frozen nn.Linear layers with a bias (Qwen2's q/k/v projections under adapters): a quantized base "
         "replaces their weights and keeps the biases as float parameters"
