@@ -138,8 +138,9 @@ ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu", "--engine", "torch,h
 @nox.session
 def deepspeed(session: nox.Session) -> None:
     """The DeepSpeed engines (issue 29): tests/test_deepspeed.py on the `deepspeed` stack, whose
-    cells are tiny-llama and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, and a
-    stack that loses the optimizer's state on every stage. deepspeed is an extra, out of the
+    cells are tiny-llama and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, a
+    stack that loses the optimizer's state on every stage, and two compiled twins (DeepSpeed's
+    engine.compile(), the Trainer's torch_compile on DeepSpeed). deepspeed is an extra, out of the
     default environment because its cells would multiply the default run's time (BENCHMARKS.md,
     cell cost per engine): the whole DeepSpeed CPU grid is nox -s "stack(name='deepspeed')"; an
     older release: nox -s "stack(name='deepspeed-0.18')"."""
@@ -147,8 +148,9 @@ def deepspeed(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "tests/test_deepspeed.py", "--durations=10", *session.posargs)
 
 
-# The compiled twins of the single-process engines, and the float8 precisions (issue 37).
-COMPILED_ENGINES = "torch-compile,accelerate-compile,hf-trainer-compile,lightning-compile"
+# The compiled twins of the engines (DeepSpeed's run in its stacks), and the float8 precisions (issue 37).
+EAGER_ENGINES = "torch,accelerate,hf-trainer,lightning,ddp,fsdp2,accelerate-fsdp2"
+COMPILED_ENGINES = ",".join(f"{name}-compile" for name in EAGER_ENGINES.split(","))
 FLOAT8_PRECISIONS = "float8-tensorwise,float8-rowwise,float8-rowwise-gw-hp"
 COMPILE_CI_SLICE = ("--model", "tiny-llama", "--mode", "train", "--device", "cpu")
 
@@ -158,8 +160,9 @@ def compile_and_float8(session: nox.Session) -> None:
     """torch.compile and float8 training (docs/compile-and-float8.md): tests/test_compile_float8.py
     and a slice of cells (tiny-llama trained in fp32, bf16-mixed and float8-rowwise, eager and
     compiled by a hand-written loop) on the `float8` stack (torchao). Inductor's caches live in the
-    session's environment, so a second run reuses every graph the first compiled. The whole grid:
-    nox -s compile -- --all; the float8 stack's cells: nox -s "stack(name='float8')"."""
+    session's environment, so a second run reuses every graph the first compiled. The whole grid
+    (every engine but DeepSpeed's, eager and compiled): nox -s compile -- --all; the float8
+    stacks' cells: nox -s "stack(name='float8')", nox -s "stack(name='float8-deepspeed')"."""
     install_stack(session, "test", "float8", stack="float8")
     session.env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(session.virtualenv.location) / "inductor-cache"))
     everything = "--all" in session.posargs
@@ -167,8 +170,8 @@ def compile_and_float8(session: nox.Session) -> None:
     if not everything:
         session.run("python", "-m", "pytest", "tests/test_compile_float8.py", "--durations=10", *posargs)
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
-    if everything:
-        cells = ["--engine", f"torch,accelerate,hf-trainer,lightning,{COMPILED_ENGINES}"]
+    if everything:  # a cold cache compiles each graph once: minutes for a gemma-cache cell on 2 cores
+        cells = ["--engine", f"{EAGER_ENGINES},{COMPILED_ENGINES}", "--cell-timeout", "900"]
     else:
         cells = [*COMPILE_CI_SLICE, "--precision", "fp32,bf16-mixed,float8-rowwise", "--engine", "torch,torch-compile"]
     report_dir = str(Path(reports) / "compile-reports")

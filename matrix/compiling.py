@@ -19,6 +19,7 @@ an earlier cell, or an earlier run, cost a cache lookup.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,10 @@ class Recompiled(checks.CheckFailure):
     """A training step after the first compiled new graphs: a guard that fails on every step."""
 
 
+class NotCompiled(checks.CheckFailure):
+    """A compiled twin whose library compiled no graph: compile was asked for and nothing ran compiled."""
+
+
 def compile_module(model: torch.nn.Module) -> torch.nn.Module:
     """torch.compile(model), as a hand-written loop compiles its model."""
     return torch.compile(model, backend=BACKEND)
@@ -40,6 +45,20 @@ def compile_module(model: torch.nn.Module) -> torch.nn.Module:
 def plain(module: torch.nn.Module) -> torch.nn.Module:
     """The module torch.compile wrapped (its weights, its eager forward); any other module as it is."""
     return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
+
+
+def compile_in_place(module: torch.nn.Module) -> None:
+    """module.compile(): its forward compiled, the module and its state-dict keys as they are (as
+    DeepSpeed's engine.compile() compiles its module, and FSDP2 users compile each layer)."""
+    module.compile(backend=BACKEND)
+
+
+@contextmanager
+def eager():
+    """Every compiled module and function runs its eager code inside: a module compiled in place
+    (compile_in_place) has no uncompiled twin to call, so its eager twin is this stance."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def _counters() -> dict[str, dict[str, int]]:
@@ -55,6 +74,16 @@ def _count(snapshot: dict, group: str, key: str) -> int:
 def first_line(reason: str) -> str:
     """A failed guard's reason without the user stack Dynamo appends to it."""
     return reason.strip().splitlines()[0][:300]
+
+
+def break_reason(reason: str) -> str:
+    """A graph break's reason as a record's key: its first line, and Dynamo's explanation where it
+    gives one (the first line alone, "Attempted to call function marked as skipped", names
+    nothing), without the hints and debug context after them."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[1].startswith("Explanation:"):
+        return f"{lines[0]}: {lines[1].removeprefix('Explanation:').strip()}"[:300]
+    return lines[0][:300] if lines else reason
 
 
 @dataclass
@@ -101,11 +130,12 @@ class Watch:
 
         now = _counters()
         delta = lambda group, key: _count(now, group, key) - _count(self.start, group, key)  # noqa: E731
-        breaks = {
-            reason: count - self.start.get("graph_break", {}).get(reason, 0)
-            for reason, count in now.get("graph_break", {}).items()
-            if count - self.start.get("graph_break", {}).get(reason, 0) > 0
-        }
+        breaks: dict[str, int] = {}
+        for reason, count in now.get("graph_break", {}).items():
+            new = count - self.start.get("graph_break", {}).get(reason, 0)
+            if new > 0:
+                key = break_reason(reason)
+                breaks[key] = breaks.get(key, 0) + new
         reasons = sorted({first_line(reason) for failures in guard_failures.values() for reason in failures})
         return {
             "graphs_by_phase": dict(self.by_phase),
@@ -120,6 +150,15 @@ class Watch:
                 "aot_autograd_misses": delta("aot_autograd", "autograd_cache_miss"),
             },
         }
+
+    def check_compiled(self, what: str) -> None:
+        """Compile was asked for: the model's forwards so far compiled at least one graph."""
+        if self.graphs_since(self.start) == 0:
+            raise NotCompiled(
+                f"compile was asked for and {what} compiled no graph",
+                details=f"graphs by phase {self.by_phase}; frames Dynamo saw: "
+                f"{_count(_counters(), 'frames', 'total') - _count(self.start, 'frames', 'total')}",
+            )
 
     def check_steps(self) -> None:
         """Steps after the first compile nothing: the same batch, dtypes and modes."""

@@ -68,22 +68,33 @@ def watch_first_forward(state: CellState, model) -> None:
     actually called reports; then the hook is removed.
     """
     linears = {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    observed = []  # read in eager code only: a graph that read it would be guarded on it
 
     def observe_autocast(module, args):
-        if id(module) not in linears or state.hooks.paused:
+        if torch.compiler.is_compiling():
+            # inside a graph Dynamo traces (a compiled twin): recorded as a side effect the graph
+            # replays. What it reads becomes the graph's guards, so it asks the module's type,
+            # not which module it is (a guard on each layer's identity gives every layer a graph
+            # of its own), and never whether the hook already fired (each later step would
+            # compile again: matrix/compiling.py)
+            if isinstance(module, torch.nn.Linear) and not state.hooks.paused:
+                enabled = torch.is_autocast_enabled(state.device_type)
+                dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
+                state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
+            return
+        if id(module) not in linears or state.hooks.paused or observed:
             return
         enabled = torch.is_autocast_enabled(state.device_type)
         dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
         state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
-        if torch.compiler.is_compiling():
-            # inside a graph Dynamo traces (a compiled twin): the hook stays, as a side effect the
-            # graph replays; removing it, or asking whether it already fired, would make each step
-            # after the first recompile (matrix/compiling.py)
-            return
         state.metrics.effective.first_linear_input_dtype = next(
             (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
         )
-        handle.remove()
+        observed.append(True)
+        if not state.engine.compiled:
+            # a compiled twin keeps the hook to the cell's end: a graph of its layers, compiled
+            # while the hook was there, is guarded on the global hooks being what they were
+            handle.remove()
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(observe_autocast)
     state.hooks.handles.append(handle)
@@ -100,10 +111,12 @@ def seed_first_training_forward(state: CellState, model) -> None:
     """
 
     def seed(module, args):
-        if module is not model and plain(module) is model:
-            module = model  # a compiled twin: seeded at the compiled module's call, which runs eagerly
-        elif torch.compiler.is_compiling():
-            return  # inside a traced graph: seeding there would break it (manual_seed is not traced)
+        if torch.compiler.is_compiling():
+            # inside a traced graph: seeding there would break it (manual_seed is not traced), and
+            # asking which module this is would guard the graph on each module's identity
+            return
+        if module is not model and (plain(module) is model or _wraps_compiled(state, module, model)):
+            module = model  # a compiled twin: seeded at the call around the compiled model, which runs eagerly
         if module is model and not state.hooks.paused:
             # a library may leave a model in eval mode while training it (dropout off): recorded
             state.metrics.effective.model_training_in_first_forward = module.training
@@ -113,6 +126,13 @@ def seed_first_training_forward(state: CellState, model) -> None:
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(seed)
     state.hooks.handles.append(handle)
+
+
+def _wraps_compiled(state: CellState, module, model) -> bool:
+    """A library's wrapper whose `module` is the model, in a compiled twin: a model compiled in
+    place (DeepSpeed's engine.compile()) runs its hooks inside the graph, and the wrapper's call
+    (DeepSpeedEngine's) is the last eager point before its forward."""
+    return state.engine.compiled and getattr(module, "module", None) is model
 
 
 @contextlib.contextmanager

@@ -36,7 +36,6 @@ from matrix.measurements import (
     DROPOUT_OFF,
     effective_settings,
     evaluate_in_precision,
-    evaluate_rows,
     fp32_reference,
     generators_kept,
     loss_before_training,
@@ -146,6 +145,7 @@ def train_steps(state: CellState) -> None:
     if state.compile_watch is not None:
         state.compile_watch.training_ended()
         record_compiled(state)
+        state.compile_watch.check_compiled("training")
         state.compile_watch.check_steps()
     record_steps(state, steps, TRAIN_STEPS)
     state.metrics.train_losses = steps.losses
@@ -173,6 +173,8 @@ def evaluate(state: CellState) -> None:
     check_float8_converted(state, run)
     engine.check_declared(state, run, "after prepare")
     state.evaluation = result = engine.evaluate(state, run)
+    if state.compile_watch is not None:
+        state.compile_watch.check_compiled("the evaluation")
     check_against_fp32(state, result, "eval", engine.weights(state, run))
     check_against_eager(state, result)
     check_agrees_with_torch_engine(state, result.loss.float().item(), "eval")
@@ -484,15 +486,15 @@ def check_against_eager(state: CellState, result) -> None:
     it); the loss is within the compiled-vs-eager row of the precision's compute dtype."""
     if not state.engine.compiled:
         return
+    from matrix.compiling import eager as eager_stance
     from matrix.tolerances import compiled_vs_eager_tolerance
 
     engine = state.engine
-    if engine.owns_loop:  # the library's evaluation was taken after step k: the weights held there
-        eager = evaluate_as_run(state, engine.exported(state, state.run))
-    else:  # the harness's own evaluation through the run's module, that module without compile
-        from matrix.compiling import plain
-
-        eager = evaluate_rows(state, plain(engine.module(state, state.run)), autocast=not engine.forward_autocasts)
+    with eager_stance():  # every compiled module runs eagerly, one compiled in place (FSDP2's layers) too
+        if engine.owns_loop:  # the library's evaluation was taken after step k: the weights held there
+            eager = evaluate_as_run(state, engine.exported(state, state.run))
+        else:  # the engine's own evaluation of the run, nothing compiled
+            eager = engine.evaluate(state, state.run)
     record = state.metrics.compiled
     tolerance = compiled_vs_eager_tolerance(state.precision.compute_dtype)
     value = checks.check_finite_loss(result.loss, "compiled eval loss")

@@ -104,10 +104,17 @@ RESUME_VS_UNINTERRUPTED: dict[torch.dtype, ResumeTolerance] = {
 # twins), largest |compiled - eager| loss, CPU (torch 2.13.0) / H200 (torch 2.11.0): fp32 0 /
 # 6.9e-6; fp16-mixed 2.6e-4 / 2.0e-4; bf16-mixed 6.6e-4 / 4.5e-4; bf16-true 1.0e-3 / 3.6e-4;
 # float8 1.8e-3 / 3.6e-3 (their logits up to 0.028 apart). Each row allows 4 to 6 times the
-# largest at those losses, 5 to 20 times less than the rows against fp32 above.
+# largest at those losses, 5 to 20 times less than the rows against fp32 above. The distributed
+# twins (ddp-compile, fsdp2-compile, accelerate-fsdp2-compile; CPU, the same kinds and
+# precisions, 84 cells) stay within them but for one: accelerate-fsdp2 gives the loss in fp16
+# (its FSDP2 policy casts the forward's outputs, the loss too, to output_dtype), where one ulp at
+# a loss of 3.6 is 2**-9 = 2.0e-3, and gemma-cache's fp16-mixed train cell measured 1.8e-3
+# (largest otherwise: fp32 4.8e-7, fp16 1.0e-4, bf16 8.4e-4, float8 2.6e-3). The fp16 row's rtol
+# is therefore one fp16 ulp (2**-10 relative, 1e-3: Inductor's own fp16 rtol), not a multiple of
+# what a loss computed in fp32 measured.
 COMPILED_VS_EAGER: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(atol=1e-5, rtol=1e-5),
-    torch.float16: Tolerance(atol=3e-4, rtol=3e-4),
+    torch.float16: Tolerance(atol=3e-4, rtol=1e-3),
     torch.bfloat16: Tolerance(atol=1e-3, rtol=1e-3),
     torch.float8_e4m3fn: Tolerance(atol=4e-3, rtol=4e-3),
 }

@@ -24,30 +24,37 @@ needs_torchao = pytest.mark.skipif(
     reason="Requires: [torchao] (not installed: pip install '.[float8]', or nox -s compile)",
 )
 FLOAT8 = ("float8-tensorwise", "float8-rowwise", "float8-rowwise-gw-hp")
-COMPILED = ("torch-compile", "accelerate-compile", "hf-trainer-compile", "lightning-compile")
+BUILT_IN = (
+    "torch", "accelerate", "hf-trainer", "lightning", "ddp", "fsdp2", "accelerate-fsdp2",
+    "deepspeed-zero0", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3", "hf-trainer-zero2", "hf-trainer-zero3",
+)  # fmt: skip
+COMPILED = tuple(f"{name}-compile" for name in BUILT_IN)
 
 
 # ---------------------------------------------------------------- the axes
 
 
-def test_each_single_process_engine_has_a_compiled_twin_that_runs_only_where_named():
+def test_every_built_in_engine_has_a_compiled_twin_that_runs_only_where_named():
     for twin in COMPILED:
         engine = ENGINES[twin]
         assert engine.compiled and engine.eager_twin == twin.removesuffix("-compile")
         assert engine.compile_how and engine.compile_how == ENGINES[engine.eager_twin].compile_how
+        assert engine.distributed == ENGINES[engine.eager_twin].distributed
         assert not ENGINES[engine.eager_twin].compiled
     default = parse_selection("engine", None)
     assert not set(COMPILED) & set(default)
+    assert set(BUILT_IN) <= set(default)
     assert parse_selection("engine", "torch-compile,torch") == ("torch", "torch-compile")
 
 
-def test_the_trainer_twin_is_told_in_training_arguments():
-    assert ENGINES["hf-trainer-compile"].settings(PRECISIONS["bf16-mixed"]) == {
-        "fp16": False,
-        "bf16": True,
-        "torch_compile": True,
-    }
-    assert "torch_compile" not in ENGINES["hf-trainer"].settings(PRECISIONS["bf16-mixed"])
+@pytest.mark.parametrize("engine", ["hf-trainer", "hf-trainer-zero2", "hf-trainer-zero3"])
+def test_the_trainer_twins_are_told_in_training_arguments(engine):
+    """Each Trainer twin's settings carry torch_compile=True (TrainingArguments reads them). The
+    DeepSpeed Trainers once lost it with their own settings type, and their twins compiled nothing
+    (test_a_twin_whose_library_compiles_nothing_fails_not_compiled)."""
+    assert ENGINES[f"{engine}-compile"].settings(PRECISIONS["bf16-mixed"])["torch_compile"] is True
+    assert ENGINES[f"{engine}-compile"].settings(PRECISIONS["bf16-mixed"])["bf16"] is True
+    assert "torch_compile" not in ENGINES[engine].settings(PRECISIONS["bf16-mixed"])
 
 
 def test_float8_rows_run_bf16_autocast_over_fp32_weights_and_need_torchao():
@@ -66,6 +73,14 @@ def test_accelerate_is_told_fp8_with_torchao_and_converts_itself():
     settings = ENGINES["accelerate"].settings(PRECISIONS["float8-rowwise"])
     assert settings == {"mixed_precision": "fp8", "fp8_backend": "ao", "fp8_recipe": "rowwise"}
     assert ENGINES["accelerate"].converts_float8 and not ENGINES["torch"].converts_float8
+
+
+def test_accelerate_fsdp2_is_told_fp8_with_torchao_over_bf16_parameters():
+    settings = ENGINES["accelerate-fsdp2"].settings(PRECISIONS["float8-tensorwise"])
+    assert settings["mixed_precision"] == "fp8" and settings["fp8_backend"] == "ao"
+    assert settings["fp8_recipe"] == "tensorwise"
+    assert settings["mixed_precision_policy"]["param_dtype"] == "bfloat16"
+    assert ENGINES["accelerate-fsdp2"].converts_float8 and not ENGINES["fsdp2"].converts_float8
 
 
 def test_without_torchao_float8_cells_skip_naming_it(monkeypatch):
@@ -144,6 +159,56 @@ def test_steps_that_reuse_the_graph_pass_and_a_graph_break_is_recorded():
     assert sum(record["graph_breaks"].values()) >= 1
 
 
+def test_a_twin_whose_library_compiles_nothing_fails_not_compiled():
+    """A compiled twin whose forwards all ran eagerly (its library was never told to compile, as
+    the DeepSpeed Trainers' twins were): NotCompiled, not a pass."""
+    linear = torch.nn.Linear(4, 4)
+    watch = compiling.Watch.begin()
+    linear(torch.ones(2, 4))
+    with pytest.raises(compiling.NotCompiled, match="compile was asked for and training compiled no graph"):
+        watch.check_compiled("training")
+    torch.compile(linear, backend="eager")(torch.ones(2, 4))
+    watch.check_compiled("training")
+
+
+def test_the_harness_hooks_give_layers_compiled_in_place_one_graph(tmp_path):
+    """FSDP2's and accelerate's regional compile compile each layer in place. The harness's
+    first-forward hooks run inside those graphs; what they read there becomes guards. Asking which
+    module fired (an identity) gave each of tiny-llama's two layers a graph of its own, and removing
+    a hook after its first eager call made step 2 compile again. With the hooks as they are, the
+    layers share one graph and later steps compile nothing, as without the hooks."""
+    from matrix.cell_state import CellState
+    from matrix.measurements import effective_settings, seed_first_training_forward, watch_first_forward
+    from matrix.results.metrics import CellMetrics
+
+    cell = Cell("tiny-llama", "bf16-mixed", "train", "cpu", "fsdp2-compile")
+    precision = PRECISIONS["bf16-mixed"]
+    state = CellState(cell, MODELS["tiny-llama"], precision, torch.device("cpu"), tmp_path, CellMetrics())
+    state.engine = ENGINES["fsdp2-compile"]
+    model = state.kind.build(precision, state.device, tmp_path)
+    state.metrics.effective = effective_settings(state, model)
+    state.batch = state.kind.batch(state.device)
+    watch = compiling.Watch.begin()
+    watch_first_forward(state, model)
+    seed_first_training_forward(state, model)
+    layers = [layer for module in model.modules() if isinstance(module, torch.nn.ModuleList) for layer in module]
+    assert len(layers) == 2
+    for layer in layers:
+        layer.compile(backend="eager")
+    try:
+        watch.training_started()
+        for _ in range(3):
+            with state.autocast():
+                state.kind.loss(model.train(), state.batch).backward()
+            watch.step_ended()
+        watch.training_ended()
+    finally:
+        state.hooks.remove()
+    assert watch.per_step == [1, 0, 0], watch.record()["recompile_reasons"]
+    assert state.metrics.effective.autocast_dtype_in_forward == "bfloat16"
+    assert state.metrics.effective.model_training_in_first_forward is True
+
+
 def test_plain_unwraps_what_torch_compile_wrapped():
     linear = torch.nn.Linear(2, 2)
     assert compiling.plain(torch.compile(linear)) is linear
@@ -208,3 +273,24 @@ def test_a_compiled_cell_runs_the_pipeline_and_agrees_with_its_eager_twin(tmp_pa
     )
     if precision.startswith("float8"):
         assert result.metrics.float8.converted and result.metrics.logits_sqnr_db is not None
+
+
+@needs_torchao
+@pytest.mark.parametrize("engine", ["ddp-compile", "fsdp2-compile", "accelerate-fsdp2-compile"])
+def test_a_distributed_twin_trains_float8_compiled_on_two_ranks(tmp_path, engine):
+    """The distributed twins as their users compile: DDP wrapped, then compiled (its forward stays
+    outside the graph: graph breaks, recorded); FSDP2's layers compiled in place before
+    fully_shard (no break); accelerate's prepare compiling the sharded model whole (breaks at
+    FSDP2's hooks, recorded). Each trains float8 with later steps compiling nothing."""
+    result = run_cell(Cell("tiny-llama", "float8-rowwise", "train", "cpu", engine), tmp_path)
+    assert result.outcome == "passed", result.message
+    compiled = result.metrics.compiled
+    assert compiled.graphs_per_training_step[0] >= 1 and compiled.graphs_per_training_step[1:] == [0, 0]
+    assert bool(compiled.graph_breaks) is (engine != "fsdp2-compile"), compiled.graph_breaks
+    assert result.metrics.float8.converted
+    converted_by = result.metrics.float8.converted_by
+    assert converted_by.startswith("the library") is (engine == "accelerate-fsdp2-compile")
+    assert (
+        compiled.eager_deviation_abs
+        <= compiled.eager_tolerance.atol + compiled.eager_tolerance.rtol * compiled.eager_loss
+    )

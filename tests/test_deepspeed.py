@@ -173,3 +173,28 @@ def test_the_trainer_trains_saves_and_resumes_through_deepspeed(trainer_grid):
         assert record["random_numbers"].startswith("the library's own")
         # the first step's loss, rebuilt from the ranks' token-averaged losses, is the torch engine's
         assert cell["metrics"]["cross_engine"]["spread_abs"] < 2e-2
+
+
+@pytest.fixture(scope="module")
+def compiled_grid(matrix_cpu, tmp_path_factory):
+    """The compiled twins of DeepSpeed's engine and of the Trainer on DeepSpeed: tiny-llama trained
+    in bf16-mixed (engine.compile(); TrainingArguments(torch_compile=True))."""
+    selection = ("--model", "tiny-llama", "--precision", "bf16-mixed", "--mode", "train")
+    engines = ("--engine", "deepspeed-zero1-compile,hf-trainer-zero2-compile")
+    return matrix_cpu(tmp_path_factory.mktemp("deepspeed-compile"), *selection, *engines)
+
+
+@needs_deepspeed
+def test_the_compiled_twins_compile_on_deepspeed(compiled_grid):
+    """Each twin compiles its model once and reuses the graph; the Trainer's twin once compiled
+    nothing (its DeepSpeed settings dropped torch_compile), which NotCompiled now fails."""
+    done, cells = compiled_grid
+    assert len(cells) == 2, done.stdout[-3000:]
+    for cell_id, cell in cells.items():
+        assert cell["outcome"] == "passed", (cell_id, cell.get("message"))
+        compiled = cell["metrics"]["compiled"]
+        assert compiled["graphs_per_training_step"][0] >= 1, compiled
+        assert compiled["graphs_per_training_step"][1:3] == [0, 0], compiled
+    assert cells["tiny-llama-bf16-mixed-train-cpu-hf-trainer-zero2-compile"]["metrics"]["engine_settings"][
+        "torch_compile"
+    ]

@@ -14,16 +14,18 @@ library. The files, and the engines each registers, in the axis' order:
                      `lightning-compile`
   distributed.py   - what the distributed engines share: DistributedEngine, the driver side that
                      sends a cell's phases to the ranks, the rank side, sharded weights gathered
-  ddp.py           - `ddp`: DistributedDataParallel, with compress hooks for half-precision reduction
-  fsdp2.py         - `fsdp2`: fully_shard with a MixedPrecisionPolicy, DCP checkpoints
-  accelerate_fsdp2.py - `accelerate-fsdp2`: accelerate's FSDP2 plugin (selected by hand on a CPU)
+  ddp.py           - `ddp`: DistributedDataParallel, with compress hooks for half-precision reduction;
+                     `ddp-compile`
+  fsdp2.py         - `fsdp2`: fully_shard with a MixedPrecisionPolicy, DCP checkpoints; `fsdp2-compile`
+  accelerate_fsdp2.py - `accelerate-fsdp2`: accelerate's FSDP2 plugin (selected by hand on a CPU);
+                     `accelerate-fsdp2-compile`
   deepspeed_zero.py - `deepspeed-zero0`, `deepspeed-zero1`, `deepspeed-zero2`, `deepspeed-zero3`:
-                     DeepSpeed's own engine, one per ZeRO stage
+                     DeepSpeed's own engine, one per ZeRO stage; `deepspeed-zero0-compile` ...
   hf_trainer_deepspeed.py - `hf-trainer-zero2`, `hf-trainer-zero3`: the Trainer with a DeepSpeed
-                     config of that ZeRO stage
+                     config of that ZeRO stage; `hf-trainer-zero2-compile`, `hf-trainer-zero3-compile`
 
-The four single-process engines each register a compiled twin beside them (base.py
-register_with_compiled_twin, matrix/compiling.py), which runs only where a selection names it.
+Every engine registers a compiled twin beside it (base.py register_with_compiled_twin,
+matrix/compiling.py), which runs only where a selection names it.
 
 A new engine is one file here (an Engine subclass and a register() call) plus its library in
 pyproject.toml; a user's engine registers from their plugin.

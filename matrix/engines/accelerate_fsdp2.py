@@ -19,6 +19,9 @@ GPU (distributed_type FSDP in both shared states, the plugin's mixed precision s
 attached) and records that it did (engine_effective "fsdp_selected_by"). Everything after that
 is accelerate's own code, run on gloo: the CPU half of the matrix reaches the FSDP2 code that
 users run on GPUs. On CUDA accelerate selects FSDP itself.
+
+Its compiled twin, `accelerate-fsdp2-compile`, adds dynamo_backend="inductor": prepare compiles
+the sharded model whole (torch.compile), after fully_shard.
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from dataclasses import dataclass, field
 import torch
 
 from matrix import checks
-from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, one_switch_unsupported, register
+from matrix.engines.base import (
+    ALWAYS,
+    EngineSettings,
+    Loop,
+    Unsupported,
+    one_switch_unsupported,
+    register_with_compiled_twin,
+)
 from matrix.engines.distributed import DistributedEngine, GatheredWeights, set_launcher_environment
-from matrix.libraries.accelerate import reset_accelerate, resume_from_saved_state
+from matrix.libraries.accelerate import fp8_handlers, reset_accelerate, resume_from_saved_state
 from matrix.measurements import fresh_model, loss_weight
 from matrix.precisions import Precision, dtype_name
 from matrix.results.metrics import UNSET
@@ -42,6 +52,8 @@ MIXED_PRECISION = {None: "no", "float16": "fp16", "bfloat16": "bf16"}
 class AccelerateFSDP2Settings(EngineSettings):
     mixed_precision: str = field(default="no", metadata=ALWAYS)
     mixed_precision_policy: dict | None = field(default=None, metadata=ALWAYS)
+    fp8_backend: str | None = None  # fp8: AORecipeKwargs, torchao's recipe (matrix/float8.py)
+    fp8_recipe: str | None = None
 
 
 @dataclass
@@ -75,6 +87,8 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
     Run = AccelerateFSDP2Run
     forward_autocasts = True
     requires = ("accelerate",)
+    compile_how = "Accelerator(dynamo_backend='inductor'): prepare() compiles the sharded model"
+    converts_float8 = True  # mixed_precision='fp8' with AORecipeKwargs: prepare() converts, then shards
 
     def derive_settings(self, precision: Precision) -> AccelerateFSDP2Settings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "an accelerate setting", precision)
@@ -87,6 +101,13 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
             # precision's (accelerate's own default reduces in the compute dtype too)
             reduce = dtype_name(precision.reduce_dtype) if precision.reduce_dtype else "float32"
             policy = {"param_dtype": compute, "reduce_dtype": reduce, "output_dtype": compute}
+        if precision.float8 is not None:  # its FSDP plugin maps fp8 onto bf16 parameters, as bf16
+            return AccelerateFSDP2Settings(
+                mixed_precision="fp8",
+                mixed_precision_policy=policy,
+                fp8_backend="ao",
+                fp8_recipe=precision.float8.recipe,
+            )
         return AccelerateFSDP2Settings(mixed_precision=MIXED_PRECISION[compute], mixed_precision_policy=policy)
 
     def _plugin(self, state, model):
@@ -112,7 +133,10 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
         state.device_kind.activate(state.device)
         mixed = state.settings.mixed_precision
         plugin = self._plugin(state, model)
-        accelerator = Accelerator(mixed_precision=mixed, cpu=state.device.type == "cpu", fsdp_plugin=plugin)
+        options: dict = {"dynamo_backend": "inductor"} if self.compiled else {}
+        if state.settings.fp8_backend == "ao":
+            options["kwargs_handlers"] = fp8_handlers(state)
+        accelerator = Accelerator(mixed_precision=mixed, cpu=state.device.type == "cpu", fsdp_plugin=plugin, **options)
         selected_by = "accelerate"
         if accelerator.distributed_type != DistributedType.FSDP:
             # accelerate selects FSDP on accelerator devices only: make the selection it makes there
@@ -204,4 +228,4 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
         reset_accelerate()
 
 
-register(AccelerateFSDP2Engine())
+register_with_compiled_twin(AccelerateFSDP2Engine())

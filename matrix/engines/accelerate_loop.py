@@ -15,7 +15,7 @@ import torch
 from matrix import checks
 from matrix.compiling import plain
 from matrix.engines.base import EngineSettings, Loop, Unsupported, one_switch_unsupported, register_with_compiled_twin
-from matrix.libraries.accelerate import reset_accelerate, resume_from_saved_state
+from matrix.libraries.accelerate import fp8_handlers, reset_accelerate, resume_from_saved_state
 from matrix.measurements import same_weights_copy
 from matrix.precisions import Precision
 
@@ -59,9 +59,7 @@ class AccelerateEngine(Loop):
         state.device_kind.activate(state.device)
         options = {"dynamo_backend": "inductor"} if self.compiled else {}
         if state.settings.fp8_backend == "ao":
-            from accelerate.utils import AORecipeKwargs
-
-            options["kwargs_handlers"] = [AORecipeKwargs(config=state.precision.float8.config())]
+            options["kwargs_handlers"] = fp8_handlers(state)
         accelerator = Accelerator(
             mixed_precision=state.settings.mixed_precision, cpu=state.device.type == "cpu", **options
         )

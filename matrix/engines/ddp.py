@@ -3,13 +3,19 @@ CUDA), each rank training on its rows of the batch, with the precision's torch.a
 GradScaler. Where the precision reduces gradients in half precision, DDP's communication
 hooks compress them (fp16_compress_hook, bf16_compress_hook). Checkpoints are the torch loop's
 format, written by rank 0 and read back by every rank, as DDP scripts do.
+
+Its compiled twin, `ddp-compile`, trains through the wrapper compiled, torch.compile(DDP(model)),
+as DDP's documentation says (Dynamo then splits the graph at DDP's gradient buckets), and
+evaluates the module DDP wraps compiled (DDP has no generate(), and the module inside a compiled
+DDP is the eager model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from matrix.engines.base import EngineSettings, Loop, LoopRun, Unsupported, register
+from matrix.compiling import compile_module, plain
+from matrix.engines.base import EngineSettings, Loop, LoopRun, Unsupported, register_with_compiled_twin
 from matrix.engines.distributed import DistributedEngine
 from matrix.engines.torch_loop import load_checkpoint, save_checkpoint
 from matrix.measurements import evaluate_rows
@@ -30,6 +36,7 @@ class DDPEngine(DistributedEngine, Loop):
     name = "ddp"
     axis_position = 4
     description = "torch DistributedDataParallel, 2 ranks (gloo/nccl), autocast + GradScaler, compress hooks"
+    compile_how = "torch.compile(DDP(model)), as DDP's docs say (Dynamo splits the graph at its buckets)"
 
     def derive_settings(self, precision: Precision) -> DDPSettings | Unsupported:
         reduce = precision.reduce_dtype or precision.weights_dtype
@@ -58,7 +65,7 @@ class DDPEngine(DistributedEngine, Loop):
             "reduce_dtype": state.settings.reduce_dtype,
             "bucket_view": wrapped.gradient_as_bucket_view,
         }
-        return wrapped
+        return compile_module(wrapped) if self.compiled else wrapped
 
     def start(self, state, model, training: bool) -> LoopRun:
         wrapped = self._wrap(state, model)
@@ -68,15 +75,17 @@ class DDPEngine(DistributedEngine, Loop):
         return LoopRun(wrapped, state.new_optimizer(model), state.new_grad_scaler())
 
     def weights(self, state, run: LoopRun):
-        return run.model.module  # every rank holds the whole model
+        return plain(run.model).module  # every rank holds the whole model
 
     def evaluate(self, state, run: LoopRun):
-        # the module DDP wraps, each rank on its rows, as DDP scripts evaluate (DDP has no generate())
-        return evaluate_rows(state, run.model.module)
+        # the module DDP wraps, each rank on its rows, as DDP scripts evaluate (DDP has no
+        # generate()); in the compiled twin that module compiled, as its training forward is
+        module = self.weights(state, run)
+        return evaluate_rows(state, compile_module(module) if self.compiled else module)
 
     def save(self, state, run: LoopRun, directory) -> None:
         if state.group.writes:  # the torch loop's format, written once
-            save_checkpoint(state, LoopRun(run.model.module, run.optimizer, run.scaler), directory)
+            save_checkpoint(state, LoopRun(self.weights(state, run), run.optimizer, run.scaler), directory)
 
     def export(self, state, run: LoopRun, directory, checkpoint):
         return checkpoint  # the model in its kind's own format is already there
@@ -86,4 +95,4 @@ class DDPEngine(DistributedEngine, Loop):
         return LoopRun(self._wrap(state, plain.model), plain.optimizer, plain.scaler)
 
 
-register(DDPEngine())
+register_with_compiled_twin(DDPEngine())

@@ -22,6 +22,10 @@ in the kind's format (save_pretrained) and read back by the kind's own loading
 (from_pretrained): for ZeRO 1-3 training the consolidated fp32 state dict of the checkpoint
 (zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint), otherwise (stage 0 writes no ZeRO
 files) the trained weights in memory.
+
+Each stage has a compiled twin (`deepspeed-zero2-compile`): engine.compile() after
+deepspeed.initialize, as DeepSpeed documents it (the module compiled in place, so its hooks and
+state dict stay as they are), on the resumed engine too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from matrix import checks
-from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, register
+from matrix.compiling import BACKEND
+from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, register_with_compiled_twin
 from matrix.engines.distributed import DistributedEngine, set_launcher_environment
 from matrix.kind_traits import ADAMW_WEIGHT_DECAY
 from matrix.libraries import deepspeed as ds
@@ -92,6 +97,7 @@ class ZeroEngine(DistributedEngine, Loop):
     Run = DeepSpeedRun
     forward_autocasts = True  # DeepSpeed casts the module to its half dtype: no autocast around it
     requires = ("deepspeed",)
+    compile_how = "engine.compile() after deepspeed.initialize (the module compiled in place)"
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -141,6 +147,8 @@ class ZeroEngine(DistributedEngine, Loop):
         model.train(training)
         trainable = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+        if self.compiled:
+            engine.compile(backend=BACKEND)
         if state.metrics.engine_effective is UNSET:  # the cell's first engine; the resumed one is set up alike
             state.metrics.engine_effective = {"config": config}
             ds.record_effective(state, engine)
@@ -229,4 +237,4 @@ class ZeroEngine(DistributedEngine, Loop):
 
 ENGINES_BY_STAGE = {stage: ZeroEngine(stage) for stage in STAGES}
 for _engine in ENGINES_BY_STAGE.values():
-    register(_engine)
+    register_with_compiled_twin(_engine)

@@ -345,5 +345,8 @@ class GatheredWeights:
     @reads("model", "steps", "gathered", "gathered_at")
     def weights(self, state, run):
         if run.gathered is None or run.gathered_at != run.steps:
-            run.gathered, run.gathered_at = gathered_copy(state, run.model, into=run.gathered), run.steps
+            from matrix.compiling import plain
+
+            gathered = gathered_copy(state, plain(run.model), into=run.gathered)
+            run.gathered, run.gathered_at = gathered, run.steps
         return run.gathered

@@ -9,6 +9,10 @@ dtype, else the gradients' (fp32 for fp32 master weights); output_dtype is left 
 Its own checkpoint is a sharded one through torch.distributed.checkpoint (DCP), which the resumed
 run starts from; the export is the full state dict gathered from the shards, saved by rank 0 in
 the kind's own format (save_pretrained), which a plain model reads back.
+
+Its compiled twin, `fsdp2-compile`, compiles each layer in place (layer.compile()) before
+fully_shard, as torchtitan compiles each transformer block: in place, fully_shard's hooks still
+run around the compiled forward, and the state dict keeps its keys.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from matrix.engines.base import ALWAYS, EngineSettings, Loop, register
+from matrix.compiling import compile_in_place
+from matrix.engines.base import ALWAYS, EngineSettings, Loop, register_with_compiled_twin
 from matrix.engines.distributed import DistributedEngine, GatheredWeights
 from matrix.measurements import fresh_model, train_step
 from matrix.precisions import Precision, dtype_name
@@ -55,6 +60,7 @@ class FSDP2Engine(DistributedEngine, GatheredWeights, Loop):
     axis_position = 5
     description = "torch fully_shard (FSDP2) per layer, MixedPrecisionPolicy, DCP and full-state-dict checkpoints"
     Run = ShardedRun
+    compile_how = "each layer compiled in place (layer.compile()) before fully_shard, as torchtitan compiles its blocks"
 
     def derive_settings(self, precision: Precision) -> FSDP2Settings:
         weights, compute = precision.weights_dtype, precision.autocast_dtype
@@ -80,6 +86,8 @@ class FSDP2Engine(DistributedEngine, GatheredWeights, Loop):
         )
         layers = [layer for module in model.modules() if isinstance(module, torch.nn.ModuleList) for layer in module]
         for layer in layers:
+            if self.compiled:
+                compile_in_place(layer)
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         state.metrics.engine_effective = {
@@ -133,4 +141,4 @@ class FSDP2Engine(DistributedEngine, GatheredWeights, Loop):
         return ShardedRun(resumed.train(), optimizer, scaler)
 
 
-register(FSDP2Engine())
+register_with_compiled_twin(FSDP2Engine())

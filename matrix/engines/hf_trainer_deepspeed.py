@@ -17,10 +17,12 @@ weights, optimizer and scaler state read from the DeepSpeed engine the Trainer t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from matrix import checks
-from matrix.engines.base import Unsupported, one_switch_unsupported, register
+from matrix.engines.base import Unsupported, one_switch_unsupported, register_with_compiled_twin
 from matrix.engines.deepspeed_zero import (
     DeepSpeedSettings,
     deepspeed_precision_refusal,
@@ -32,6 +34,11 @@ from matrix.libraries import deepspeed as ds
 from matrix.libraries.trainer import training_arguments
 from matrix.measurements import dropout_off_rows_loss, evaluate_rows, generators_kept
 from matrix.precisions import Precision
+
+
+@dataclass(frozen=True)
+class TrainerDeepSpeedSettings(DeepSpeedSettings):
+    torch_compile: bool | None = None  # the compiled twin: TrainingArguments(torch_compile=True)
 
 
 class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
@@ -49,9 +56,14 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
             "save and resume_from_checkpoint through DeepSpeed"
         )
 
-    def derive_settings(self, precision: Precision) -> DeepSpeedSettings | Unsupported:
+    def derive_settings(self, precision: Precision) -> TrainerDeepSpeedSettings | Unsupported:
         unsupported = one_switch_unsupported(self.name, "a TrainingArguments setting", precision)
-        return unsupported or derive_deepspeed(self.stage, precision)
+        if unsupported:
+            return unsupported
+        derived = derive_deepspeed(self.stage, precision)
+        if isinstance(derived, Unsupported):
+            return derived
+        return TrainerDeepSpeedSettings(**derived.as_dict(), torch_compile=True if self.compiled else None)
 
     def precision_device_skip_reason(self, precision: Precision, device) -> str | None:
         return deepspeed_precision_refusal(self.derive_or_refuse(precision), device)
@@ -225,4 +237,4 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
 
 
 for _stage in (2, 3):
-    register(TrainerOnDeepSpeed(_stage))
+    register_with_compiled_twin(TrainerOnDeepSpeed(_stage))
