@@ -20,7 +20,8 @@ library. The files, and the engines each registers, in the axis' order:
   accelerate_fsdp2.py - `accelerate-fsdp2`: accelerate's FSDP2 plugin (selected by hand on a CPU);
                      `accelerate-fsdp2-compile`
   deepspeed_zero.py - `deepspeed-zero0`, `deepspeed-zero1`, `deepspeed-zero2`, `deepspeed-zero3`:
-                     DeepSpeed's own engine, one per ZeRO stage; `deepspeed-zero0-compile` ...
+                     DeepSpeed's own engine, one per ZeRO stage; `deepspeed-zero0-compile`,
+                     `deepspeed-zero1-compile`, `deepspeed-zero2-compile`, `deepspeed-zero3-compile`
   hf_trainer_deepspeed.py - `hf-trainer-zero2`, `hf-trainer-zero3`: the Trainer with a DeepSpeed
                      config of that ZeRO stage; `hf-trainer-zero2-compile`, `hf-trainer-zero3-compile`
 

@@ -235,6 +235,4 @@ class ZeroEngine(DistributedEngine, Loop):
         run.engine.destroy()  # ZeRO-3's hooks and partitions with it
 
 
-ENGINES_BY_STAGE = {stage: ZeroEngine(stage) for stage in STAGES}
-for _engine in ENGINES_BY_STAGE.values():
-    register_with_compiled_twin(_engine)
+ENGINES_BY_STAGE = {stage: register_with_compiled_twin(ZeroEngine(stage)) for stage in STAGES}
