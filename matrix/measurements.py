@@ -65,10 +65,16 @@ def watch_first_forward(state: CellState, model) -> None:
     for. It is a global module hook, not one on the model's modules: torch's
     TransformerEncoderLayer leaves its fast path when a module of its own carries a hook, and
     the observation must not change the code path it observes. The first Linear of the model
-    actually called reports; then the hook is removed.
+    actually called reports; then the hook is removed (in a compiled twin it stays, and inside a
+    graph it records as a side effect the graph replays).
     """
     linears = {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     observed = []  # read in eager code only: a graph that read it would be guarded on it
+
+    def record_autocast():
+        enabled = torch.is_autocast_enabled(state.device_type)
+        dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
+        state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
 
     def observe_autocast(module, args):
         if torch.compiler.is_compiling():
@@ -78,15 +84,11 @@ def watch_first_forward(state: CellState, model) -> None:
             # of its own), and never whether the hook already fired (each later step would
             # compile again: matrix/compiling.py)
             if isinstance(module, torch.nn.Linear) and not state.hooks.paused:
-                enabled = torch.is_autocast_enabled(state.device_type)
-                dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
-                state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
+                record_autocast()
             return
         if id(module) not in linears or state.hooks.paused or observed:
             return
-        enabled = torch.is_autocast_enabled(state.device_type)
-        dtype = torch.get_autocast_dtype(state.device_type) if enabled else None
-        state.metrics.effective.autocast_dtype_in_forward = dtype_name(dtype) if dtype else None
+        record_autocast()
         state.metrics.effective.first_linear_input_dtype = next(
             (dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor)), None
         )
