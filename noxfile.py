@@ -66,6 +66,10 @@ def install_stack(session: nox.Session, *extras: str, stack: str = "default") ->
                 session.install(*NO_COMPILE, *pins)  # the stack's pins win over the project's ranges
             stamp.write_text(key)
     session.env["MATRIX_STACK"] = stack  # recorded in every report
+    if session.venv_backend != "none":
+        # ops compiled on first use (DeepSpeed's CPU ops) are cached by name only: each environment
+        # keeps its own, or one stack's release loads another's build (matrix/bisect.py run_environment)
+        session.env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(session.virtualenv.location) / "torch-extensions"))
     # Python's own default: cache bytecode, pytest's rewritten modules included. With
     # PYTHONDONTWRITEBYTECODE set (as on some CI images), every pytest and python -m matrix
     # process the tests start compiled the package and rewrote its modules again.
@@ -85,6 +89,20 @@ def matrix(session: nox.Session) -> None:
     """
     install_stack(session)
     session.run("python", "-m", "matrix", "run", "cases", *session.posargs)
+
+
+@nox.session
+def curves(session: nox.Session) -> None:
+    """Golden loss curves (matrix/curves.py): the golden selection trains from the saved initial
+    weights in matrix/golden/initial/ and each training cell's curve is compared with the stack's
+    golden one (matrix/golden/curves-<stack>.json); a curve that moved beyond its row, or one that
+    is missing, fails the session (diff's curve-moved and removed categories).
+
+    nox -s curves -- --write   writes the run's curves as the golden ones (with the versions)
+    Other arguments after -- go to the run (-- -k lora).
+    """
+    install_stack(session)
+    session.run("python", "-m", "matrix", "curves", "run", *session.posargs)
 
 
 @nox.session

@@ -1,7 +1,7 @@
 """Mixed-precision regression matrix for the PyTorch LLM stack.
 
 Where things live (one home each):
-  __main__.py      - python -m matrix: run, fold, bisect, sweep, releases, repro, replay, diff, merge,
+  __main__.py      - python -m matrix: run, fold, bisect, sweep, releases, repro, replay, diff, merge, curves,
                      compatibility
   registry.py      - the registry of every axis but the modes (models, precisions, engines, devices):
                      register(), lookup, order, names made on demand (hf:<model_type>)
@@ -44,6 +44,11 @@ Where things live (one home each):
   group.py         - the processes a cell runs in: one, or the ranks of a process group
   rank_pool.py, rank_worker.py - the run's group of ranks the distributed engines use
   resume.py        - a resumed step must equal the run it interrupted
+  curves.py        - loss curves: a training cell's curve against its references step by step, golden
+                     curves per stack (matrix/golden/), standard library only
+  initial_weights.py - the saved initial weights and batch a run's models start from (--initial-weights)
+  golden/          - the golden curves of each stack (curves-<stack>.json) and the initial weights they
+                     start from (initial/<kind>.safetensors): data, written by nox -s curves
   execute.py       - running a cell and classifying its record (no pytest)
   signatures.py    - failure signature: phase, exception type, normalized message, origin
   catalogue.py     - the known-failure catalogue: loading, selectors, classification (known, failed,

@@ -11,6 +11,8 @@
   diff OLD NEW           what changed between two runs (matrix/results/compare.py)
   merge A B -o DIR       shard reports into one run (matrix/results/merge.py)
   compatibility RUN      the architecture table of a run's hf: cells (matrix/results/compatibility.py)
+  curves initial|write   golden loss curves: their saved initial weights, a run's curves as golden
+                         (matrix/curves.py); `diff GOLDEN RUN` compares a run with them
 
 Exit status 2 means bad input, with one line saying which file and field."""
 
@@ -143,8 +145,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     table.add_argument("run", type=Path, help="a report directory or its results.json")
     table.add_argument("-o", "--output", type=Path, help="where to write it (default: stdout)")
+    golden = commands.add_parser("curves", help="golden loss curves: their initial weights, a run's curves as golden")
+    golden_commands = golden.add_subparsers(dest="curves_command", required=True)
+    initial = golden_commands.add_parser(
+        "initial", help="save the initial weights and batch of the golden selection's kinds (matrix/initial_weights.py)"
+    )
+    initial.add_argument("--dir", type=Path, default=None, help="default: matrix/golden/initial")
+    initial.add_argument("--force", action="store_true", help="write a kind's file that exists already")
+    check = golden_commands.add_parser(
+        "run",
+        help="run the golden selection from the saved initial weights and compare its curves with the stack's golden "
+        "ones (or --write them); arguments it does not know go to the run",
+    )
+    check.add_argument("--write", action="store_true", help="write the run's curves as the golden ones instead")
+    check.add_argument("--stack", default=None, help="whose golden curves (default: MATRIX_STACK, else default)")
+    check.add_argument("--report-dir", type=Path, default=None, help="default: reports/curves")
+    write = golden_commands.add_parser("write", help="a run's training curves as the golden curves of a stack")
+    write.add_argument("run", type=Path, help="a report directory or its results.json")
+    write.add_argument("--stack", default=None, help="the stack they are golden for (default: the run's, else default)")
+    write.add_argument("-o", "--output", type=Path, help="default: matrix/golden/curves-<stack>.json")
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("diff", "merge", "compatibility") and extra:
+    takes_no_more = args.command in ("diff", "merge", "compatibility", "curves") and (
+        args.command != "curves" or args.curves_command != "run"  # curves run hands the rest to the run
+    )
+    if takes_no_more and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "fold":
@@ -155,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge_runs(args)
     if args.command == "compatibility":
         return compatibility_table(args.run, args.output)
+    if args.command == "curves":
+        return golden_curves(args, extra)
     if args.command in ("replay", "repro") and not load_plugins(args.command, args.plugins):
         return 2
     if args.command == "replay":
@@ -295,6 +321,23 @@ def diff_runs(args) -> int:
             new_run=new_file,
             log=lambda line: print(line, file=sys.stderr),
         )
+    if args.bisect_budget is not None and result.changes["curve-moved"] and result.packages:
+        from matrix.release_bisect import bisect_moved_curves
+        from matrix.results.run_directory import reports_root
+
+        stack = args.bisect_stack or result.new_run.get("stack") or "default"
+        output = (args.bisect_dir or reports_root(None)) / f"diff-bisect-{new['run']['id']}"
+        spent = sum(record.get("seconds", 0) for record in result.bisections)
+        result.bisections += bisect_moved_curves(
+            result.changes["curve-moved"],
+            result.packages,
+            old,
+            new["run"],
+            stack=stack,
+            budget_s=max(args.bisect_budget - spent, 0),
+            output=output,
+            log=lambda line: print(line, file=sys.stderr),
+        )
     markdown, as_json = compare.diff_markdown(result, fail_on), compare.diff_json(result, fail_on)
     for path, text in ((args.md_out, markdown), (args.json_out, as_json)):
         if path:
@@ -380,6 +423,74 @@ def replay_cell(cell_id: str, variant_json: str | None, cuda_index: int) -> int:
     if result.traceback:  # whole: a record keeps its ends (crash_dump.TRACEBACK_LIMIT), a replay is for reading it all
         print("\n" + result.traceback.rstrip("\n"))
     return 1
+
+
+def golden_curves(args, extra: list[str]) -> int:
+    """curves initial: the golden kinds' saved initial weights; curves run: the golden selection,
+    compared with (or written as) the golden curves; curves write RUN: its curves as golden."""
+    import os
+
+    from matrix import curves
+
+    if args.curves_command == "run":
+        import subprocess
+
+        stack = args.stack or os.environ.get("MATRIX_STACK") or "default"
+        reports = args.report_dir or Path("reports") / "curves"
+        if golden_curves(argparse.Namespace(curves_command="initial", dir=None, force=False), []):
+            return 2
+        run = [sys.executable, "-m", "matrix", "run", "cases", *curves.GOLDEN_SELECTION]
+        run += ["--curve-steps", str(curves.GOLDEN_STEPS), "--initial-weights", str(curves.INITIAL_WEIGHTS_DIR)]
+        status = subprocess.run([*run, "--report-dir", str(reports), *extra]).returncode
+        latest = reports / "latest"
+        if not (latest / "results.json").is_file():
+            print(f"python -m matrix curves run: the run wrote no results (exit status {status})", file=sys.stderr)
+            return 2
+        if args.write:
+            written = golden_curves(
+                argparse.Namespace(curves_command="write", run=latest, stack=stack, output=None), []
+            )
+            return written or status
+        golden = curves.golden_path(stack)
+        if not golden.is_file():
+            print(f"python -m matrix curves run: no golden curves for stack {stack} ({golden}); --write makes them")
+            return 2
+        compared = main(["diff", str(golden), str(latest), "--fail-on", "curve-moved,removed"])
+        return compared or status
+
+    if args.curves_command == "initial":
+        import tempfile
+
+        from matrix import initial_weights
+        from matrix.models import MODELS
+
+        directory = args.dir or curves.INITIAL_WEIGHTS_DIR
+        kinds = curves.GOLDEN_SELECTION[curves.GOLDEN_SELECTION.index("--model") + 1].split(",")
+        for name in kinds:
+            if initial_weights.path_of(name, directory).exists() and not args.force:
+                print(f"{initial_weights.path_of(name, directory)}: kept (--force writes it again)")
+                continue
+            with tempfile.TemporaryDirectory(prefix="matrix-initial-") as workdir:
+                print(f"written: {initial_weights.save(MODELS[name], directory, Path(workdir))}")
+        return 0
+    from matrix.results.files import ResultsError, load
+
+    try:
+        results, _ = load(args.run)
+    except ResultsError as error:
+        print(f"python -m matrix curves write: {error}", file=sys.stderr)
+        return 2
+    stack = args.stack or results["run"].get("stack") or "default"
+    document = curves.golden_document(results)
+    if not document["cells"]:
+        print(f"python -m matrix curves write: {args.run} has no training cell with a curve", file=sys.stderr)
+        return 2
+    path = args.output or curves.golden_path(stack)
+    curves.write_golden(document, path)
+    print(
+        f"written: {path} ({len(document['cells'])} curves of {results['run'].get('curve_steps')} steps, stack {stack})"
+    )
+    return 0
 
 
 if __name__ == "__main__":

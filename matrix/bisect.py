@@ -7,7 +7,8 @@ The candidates are the package's releases between the two versions as pip's inde
 (pre-releases left out). A scratch environment is built once per stack (torch, the project,
 the stack's pins) and reused; each candidate is installed into it and the one cell is run in a
 fresh pytest process. The state of a version is the cell's raw result: passed, or failed with
-its signature id (catalogue classification is ignored). The search finds the first version,
+its signature id (catalogue classification is ignored); or, bisecting a loss curve that moved
+(CurveJudge), whether the cell's curve is within the old run's row. The search finds the first version,
 in version order, whose state differs from the older end's: the release that broke the cell,
 or the one that fixed it. Every version tried is recorded as evidence in bisect.json.
 """
@@ -45,6 +46,40 @@ class Trial:
     state: str  # "passed" or "failed <signature id>"; "error: ..." when the cell could not run
     signature: str | None
     seconds: float
+
+
+def outcome_state(record: dict) -> tuple[str, str | None]:
+    """A version's state by the cell's outcome: (state, its signature text)."""
+    signature = record["signature"]
+    if record["outcome"] in ("failed", "known"):
+        return f"failed {signature['id']}", signature["text"]
+    if record["outcome"] in ("passed", "fixed"):
+        return "passed", None
+    return f"error: {record['outcome']} ({record.get('skip_reason')})", None
+
+
+@dataclass(frozen=True)
+class CurveJudge:
+    """A version's state by the cell's loss curve: within the row of the old run's curve, or moved
+    (matrix/curves.py). `arguments`: what the cell runs with so that its curve is the runs' own
+    (their --curve-steps and --initial-weights)."""
+
+    reference_losses: tuple[float, ...]
+    row: dict
+    arguments: tuple[str, ...] = ()
+
+    def __call__(self, record: dict) -> tuple[str, str | None]:
+        from matrix import curves
+
+        losses, _ = curves.curve_of(record)
+        if not losses:
+            return f"error: no curve ({record['outcome']} in {record.get('phase')})", None
+        compared = curves.compare(
+            losses, list(self.reference_losses), curves.CurveTolerance.from_dict(self.row), curves.GOLDEN
+        )
+        if compared.held:
+            return "curve as the old run's", None
+        return "curve moved", compared.outside(losses)
 
 
 def final_releases(listed: list[str], with_local: bool = True) -> list[Version]:
@@ -111,6 +146,15 @@ class ScratchEnvironment:
     def pip(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.python), "-m", "pip", *args], capture_output=True, text=True)
 
+    def run_environment(self, package: str, version: str) -> dict[str, str]:
+        """The environment variables a run of one release gets: the stack's name, and a directory
+        of torch extensions of its own. A package that compiles its ops on first use (DeepSpeed's
+        CPU ops) finds them by name only, so one release would load another's build from the
+        shared cache: DeepSpeed 0.19.8 loading 0.18's `deepspeed_shm_comm` fails on an attribute
+        the old build lacks."""
+        extensions = self.path / "torch-extensions" / f"{package}-{version}"
+        return {**os.environ, "MATRIX_STACK": self.stack.name, "TORCH_EXTENSIONS_DIR": str(extensions)}
+
     @contextlib.contextmanager
     def held(self, log=print):
         """The environment for one bisection at a time: two bisections of the same stack would
@@ -171,7 +215,7 @@ class ScratchEnvironment:
             raise BisectError(f"pip's index has no package {package!r}")
         return parse_index_listing(done.stdout)
 
-    def run_cell(self, package: str, version: str, cell: str, extra: list[str]) -> Trial:
+    def run_cell(self, package: str, version: str, cell: str, extra: list[str], judge=outcome_state) -> Trial:
         start = time.perf_counter()
         installed = self.pip("install", "-q", f"{package}=={version}")
         if installed.returncode:
@@ -190,20 +234,14 @@ class ScratchEnvironment:
                 reports,
                 *extra,
             ]
-            env = {**os.environ, "MATRIX_STACK": self.stack.name}
+            env = self.run_environment(package, version)
             subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
             results = sorted(Path(reports).glob("*/results.json"))
             if not results:
                 return Trial(version, "error: the cell did not run", None, time.perf_counter() - start)
             (record,) = [c for c in json.loads(results[-1].read_text())["cells"] if c["id"] == cell]
-        signature = record["signature"]
-        if record["outcome"] in ("failed", "known"):
-            state = f"failed {signature['id']}"
-        elif record["outcome"] in ("passed", "fixed"):
-            state = "passed"
-        else:
-            state = f"error: {record['outcome']} ({record.get('skip_reason')})"
-        return Trial(version, state, signature["text"] if signature else None, time.perf_counter() - start)
+        state, text = judge(record)
+        return Trial(version, state, text, time.perf_counter() - start)
 
 
 def bisect(
@@ -216,9 +254,10 @@ def bisect(
     extra: list[str],
     log=print,
     deadline: float | None = None,
+    judge=outcome_state,
 ) -> dict:
     """`deadline` (time.monotonic()): no new release is tried after it; the bisection stops
-    with a BisectError naming what it tried."""
+    with a BisectError naming what it tried. `judge`: a cell record -> (state, text)."""
     from matrix.selection import cell_from_id
 
     stacks = version_stacks.load()
@@ -229,10 +268,12 @@ def bisect(
     env = ScratchEnvironment(stacks[stack_name], os.environ.get("MATRIX_TORCH", DEFAULT_TORCH))
     log(f"scratch environment for stack {stack_name}: {env.path}")
     with env.held(log):
-        return _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log, deadline)
+        return _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log, deadline, judge)
 
 
-def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log, deadline=None) -> dict:
+def _bisect_in(
+    env, package, good, bad, cell, stack_name, stacks, reports_root, extra, log, deadline=None, judge=outcome_state
+) -> dict:
     env.ensure()
     versions = versions_between(env.released_versions(package), good, bad)
     log(f"{len(versions)} releases of {package} from {versions[0]} to {versions[-1]}")
@@ -243,7 +284,7 @@ def _bisect_in(env, package, good, bad, cell, stack_name, stacks, reports_root, 
             if deadline is not None and time.monotonic() > deadline:
                 tried = ", ".join(f"{v}: {t.state}" for v, t in trials.items()) or "nothing"
                 raise BisectError(f"the time budget ran out before {package}=={version} (tried {tried})")
-            trials[version] = env.run_cell(package, version, cell, extra)
+            trials[version] = env.run_cell(package, version, cell, extra, judge)
             log(f"  {package}=={version}: {trials[version].state}")
         if trials[version].state.startswith("error"):
             raise BisectError(f"{package}=={version}: {trials[version].state}")

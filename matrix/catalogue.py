@@ -6,8 +6,9 @@ command line; an entry can select by a model kind's declared traits, so the buil
 classes apply to a user's kinds too. --no-builtin-catalogue starts from no entries (a run
 that shows every failure as if unannounced).
 
-An entry is in force for a cell when the installed versions satisfy its specifiers and one of
-its selectors matches the cell. Then:
+An entry is in force for a cell when the installed versions satisfy its specifiers, one of its
+selectors matches the cell and, for an entry that says `min_curve_steps = N` (a failure that only a
+loss curve of N steps or more shows, matrix/curves.py), the run's curve is that long. Then:
   known  - the cell failed and its signature text matches the entry's pattern;
   failed - the cell failed and no entry in force matches (a new failure);
   fixed  - the cell passed although an entry in force says it fails (narrow the entry).
@@ -51,6 +52,7 @@ class Entry:
     versions: dict[str, SpecifierSet]
     workaround: str
     notes: str = ""
+    min_curve_steps: int = 0  # in force only in a run whose training cells train this many steps or more
 
     @property
     def link(self) -> str:
@@ -106,7 +108,12 @@ class Catalogue:
     entries: list[Entry] = field(default_factory=list)
 
     def in_force(self, cell: Cell, installed: dict[str, str | None]) -> list[Entry]:
-        return [e for e in self.entries if e.selects(cell) and e.versions_hold(installed)]
+        from matrix.schedule import train_steps
+
+        steps = train_steps()
+        return [
+            e for e in self.entries if e.min_curve_steps <= steps and e.selects(cell) and e.versions_hold(installed)
+        ]
 
     def by_id(self, entry_id: str) -> Entry:
         return next(e for e in self.entries if e.id == entry_id)
@@ -151,6 +158,9 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
             raise _fail(path, where, "field 'cells' must be a list of {axis = [values]} tables")
         if not isinstance(raw.get("versions", {}), dict):
             raise _fail(path, where, "field 'versions' must be a table of package = specifier")
+        steps = raw.get("min_curve_steps", 0)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise _fail(path, where, "field 'min_curve_steps' must be a whole number of training steps")
         if raw["id"] in seen:
             raise _fail(path, where, "duplicate id")
         seen.add(raw["id"])
@@ -198,6 +208,7 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
                 versions=versions,
                 workaround=raw["workaround"],
                 notes=raw.get("notes", ""),
+                min_curve_steps=steps,
             )
         )
     return Catalogue(entries)

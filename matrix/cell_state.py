@@ -33,6 +33,11 @@ class FirstForwardHooks:
 
     handles: list = field(default_factory=list)
     paused: bool = False
+    seeds: object | None = None  # the seeding hook's handle: removed after the first train_steps() steps
+
+    def stop_seeding(self) -> None:
+        if self.seeds is not None:
+            self.seeds.remove()
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -86,6 +91,8 @@ class CellState:
     in_ranks: bool = False  # a distributed engine's driver: the ranks hold the cell (engines/distributed.py)
     # a compiled twin's view of what Dynamo compiles (matrix/compiling.py), from build on
     compile_watch: object | None = None
+    steps_ended: int = 0  # training steps (attempts) the engine ended so far in this process
+    steps_applied: int = 0  # of those, the ones that applied their optimizer step
     # ---- what the pipeline's phases hand on
     run: object | None = None  # the engine's run: its model, optimizer, scaler, in its own types
     restored: object | None = None  # the run the engine resumed from its own checkpoint
@@ -126,9 +133,17 @@ class CellState:
     def new_grad_scaler(self) -> torch.amp.GradScaler | None:
         return self.precision.make_grad_scaler(self.device_type)
 
-    def new_optimizer(self, model) -> torch.optim.Optimizer:
-        """AdamW over the model's trainable parameters, at the cell's learning rate."""
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.learning_rate)
+    def new_optimizer(self, model, decayed: set[str] | None = None) -> torch.optim.Optimizer:
+        """AdamW over the model's trainable parameters, at the cell's learning rate; `decayed`: the
+        names of those weight decay applies to (AdamW's default 0.01), the others none."""
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if decayed is None:
+            return torch.optim.AdamW([p for _, p in trainable], lr=self.learning_rate)
+        groups = [
+            {"params": [p for n, p in trainable if n in decayed]},
+            {"params": [p for n, p in trainable if n not in decayed], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.learning_rate)
 
     def fresh_model(self, precision: Precision | None = None, for_engine: bool = False) -> torch.nn.Module:
         """A fresh model of the kind in `precision` (the cell's by default), as every engine starts
@@ -137,7 +152,14 @@ class CellState:
         library converts it itself (`for_engine`)."""
         precision = precision or self.precision
         with torch.random.fork_rng(devices=self.device_kind.rng_devices(self.device)):
-            return self.converted(self.kind.build(precision, self.device, self.workdir), precision, for_engine)
+            return self.converted(self.built(precision), precision, for_engine)
+
+    def built(self, precision: Precision) -> torch.nn.Module:
+        """The kind's build in `precision` on the cell's device, holding the run's saved initial
+        weights where it has some (matrix/initial_weights.py)."""
+        from matrix import initial_weights
+
+        return initial_weights.apply(self.kind, self.kind.build(precision, self.device, self.workdir), precision)
 
     def converted(self, model: torch.nn.Module, precision: Precision, for_engine: bool = False) -> torch.nn.Module:
         """The model as a float8 precision trains it: its Linear layers converted with the
@@ -149,8 +171,11 @@ class CellState:
 
         return convert(model, precision.float8)
 
-    def step_ended(self) -> None:
-        """An engine's training step ended (a loop's, or a library's callback): what it compiled."""
+    def step_ended(self, applied: bool = True) -> None:
+        """An engine's training step ended (a loop's, or a library's callback), applied or skipped
+        by a grad scaler: counted, and what it compiled."""
+        self.steps_ended += 1
+        self.steps_applied += applied
         if self.compile_watch is not None:
             self.compile_watch.step_ended()
 
@@ -162,7 +187,9 @@ class CellState:
         precision = precision or self.precision
         if precision.quantization is not None:
             return self.fresh_model(precision)
-        key = (type(self.kind), self.kind.name, self.kind.variant, precision.name, str(self.device))
+        from matrix.initial_weights import current as initial_weights
+
+        key = (type(self.kind), self.kind.name, self.kind.variant, precision.name, str(self.device), initial_weights())
         pristine = _PRISTINE.pop(key, None)
         if pristine is None:
             pristine = self.fresh_model(precision)

@@ -55,6 +55,10 @@ class EngineDisagreement(CheckFailure):
     pass
 
 
+class CurveDiverged(CheckFailure):
+    """A training loss curve left its reference's row at some step (matrix/curves.py)."""
+
+
 class TrainedInEvalMode(CheckFailure):
     """The model was not in training mode in its first training forward: dropout was off."""
 

@@ -162,11 +162,11 @@ class Watch:
 
     def check_steps(self) -> None:
         """Steps after the first compile nothing: the same batch, dtypes and modes."""
-        from matrix.schedule import TRAIN_STEPS
+        from matrix.schedule import train_steps
 
         # the first run's steps 2..k: a library's loop runs on past step k (its evaluation and the
         # step k+1 the resume is compared with), where a new grad mode compiles again by design
-        later = self.per_step[1:TRAIN_STEPS]
+        later = self.per_step[1 : train_steps()]
         if any(later):
             from torch._dynamo.utils import guard_failures
 

@@ -27,7 +27,7 @@ from matrix.observation import observe
 from matrix.precisions import PRECISIONS, dtype_name
 from matrix.results import metrics as typed
 from matrix.results.metrics import UNSET, CellMetrics
-from matrix.schedule import FIRST_FORWARD_SEED, MAX_STEP_ATTEMPTS, TRAIN_STEPS
+from matrix.schedule import FIRST_FORWARD_SEED, MAX_STEP_ATTEMPTS, TRAIN_STEPS, forward_seed, train_steps
 
 DROPOUT_OFF = "train-dropout-off"  # torch_engine_loss: the training loss with dropout off
 
@@ -103,31 +103,50 @@ def watch_first_forward(state: CellState, model) -> None:
 
 
 def seed_first_training_forward(state: CellState, model) -> None:
-    """Seed the global generator right before the model's first forward in training mode.
+    """Seed the global generator right before each of the model's training forwards in its first
+    train_steps() steps: micro-batch m of the attempt at step s (the steps applied before it) from
+    schedule.forward_seed(s, m), the first from FIRST_FORWARD_SEED. An attempt a grad scaler
+    skipped and the one that retries it draw alike, as a run that did not skip draws once.
 
-    Whatever an engine does before (a Trainer seeds at construction, a sampler draws a
-    permutation, accelerate and Lightning set themselves up), the first training forward
-    starts from FIRST_FORWARD_SEED, so its dropout masks are the ones the torch engine's
-    yardstick draws (torch_engine_loss). A global hook, as in watch_first_forward: a hook on
-    the model's own modules would change the code paths it sits on.
+    Whatever an engine does between its forwards (a Trainer seeds at construction, a sampler draws a
+    permutation every epoch, accelerate and Lightning set themselves up), each of the first steps'
+    forwards draws the dropout masks the torch engine's yardsticks draw (torch_engine_loss, its
+    reference curve: matrix/curves.py). After step k the library's own random numbers run on, as
+    its checkpoint saved them: the resumed step is compared with them. A global hook, as in
+    watch_first_forward: a hook on the model's own modules would change the code paths it sits on.
     """
+    forwards, micro, attempt = 0, 0, 0
+    steps = train_steps()
 
     def seed(module, args):
+        nonlocal forwards, micro, attempt
         if torch.compiler.is_compiling():
             # inside a traced graph: seeding there would break it (manual_seed is not traced), and
             # asking which module this is would guard the graph on each module's identity
             return
         if module is not model and (plain(module) is model or _wraps_compiled(state, module, model)):
             module = model  # a compiled twin: seeded at the call around the compiled model, which runs eagerly
-        if module is model and not state.hooks.paused:
+        if module is not model or state.hooks.paused:
+            return
+        if state.engine.owns_loop and state.steps_ended >= steps:
+            # a library's loop runs on past step k in one go (a hand-written loop's steps end with
+            # train_steps: the pipeline stops the seeding there)
+            handle.remove()
+            return
+        if forwards == 0:
             # a library may leave a model in eval mode while training it (dropout off): recorded
             state.metrics.effective.model_training_in_first_forward = module.training
-            if module.training:
-                torch.manual_seed(FIRST_FORWARD_SEED)
-            handle.remove()
+        if module.training:
+            if attempt != state.steps_ended:
+                attempt, micro = state.steps_ended, 0
+            torch.manual_seed(forward_seed(state.steps_applied, micro))
+            forwards, micro = forwards + 1, micro + 1
+        elif forwards == 0:
+            handle.remove()  # trained in eval mode: no dropout draws to give
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(seed)
     state.hooks.handles.append(handle)
+    state.hooks.seeds = handle
 
 
 def _wraps_compiled(state: CellState, module, model) -> bool:
@@ -384,7 +403,10 @@ _FRESH_MEASUREMENTS: dict[tuple, float] = {}
 def _once(state: CellState, what: str, measure) -> float:
     """A measurement of a fresh model of the cell's kind and precision on its device, made once per
     process: it depends on nothing else (every build and batch is seeded)."""
+    from matrix.initial_weights import current as initial_weights
+
     key = (type(state.kind), state.kind.name, state.kind.variant, state.precision, str(state.device), what)
+    key += (initial_weights(),)  # a run's saved initial weights, where it has some
     if key not in _FRESH_MEASUREMENTS:
         _FRESH_MEASUREMENTS[key] = measure()
     return _FRESH_MEASUREMENTS[key]
@@ -431,10 +453,81 @@ def torch_engine_loss(state: CellState, mode: str) -> float:
     return _once(state, mode, evaluation)
 
 
+# ---------------------------------------------------------------- reference curves
+
+
+# (kind type, kind name, variant, precision, device, steps, initial weights) -> losses, or the
+# reference's own failure (its signature text)
+_REFERENCE_CURVES: dict[tuple, tuple[list[float] | None, str | None]] = {}
+
+
+def reference_curve(state: CellState, precision) -> tuple[list[float] | None, str | None]:
+    """The torch engine's training losses at each of the cell's first train_steps() applied steps in
+    `precision` (the cell's own, or its fp32 twin): a fresh model on the cell's device, the whole
+    batch in one process, AdamW at the cell's learning rate, the precision's autocast and grad
+    scaler, each forward seeded as the cell's are (schedule.forward_seed), gradients clipped where the
+    engine's library clips them (Engine.max_grad_norm). Once per process for a kind, precision,
+    device, length and clipping; the global generators are left as they were.
+    Returns (losses, None), or (None, the reference's own failure) where the torch engine itself
+    fails to train there: that is the torch engine cell's finding, not this cell's."""
+    import dataclasses
+
+    from matrix.cell_state import FirstForwardHooks
+    from matrix.group import SINGLE
+    from matrix.initial_weights import current as initial_weights
+    from matrix.signatures import signature_of
+
+    steps = train_steps()
+    kind = state.kind
+    engine = state.engine
+    key = (type(kind), kind.name, kind.variant, precision, str(state.device), steps, initial_weights())
+    key += (engine.max_grad_norm, type(engine).decayed_parameters)  # the library's optimizer, replicated
+    if key in _REFERENCE_CURVES:
+        return _REFERENCE_CURVES[key]
+    reference = dataclasses.replace(
+        state,
+        cell=dataclasses.replace(state.cell, precision=precision.name, engine="torch"),
+        precision=precision,
+        group=SINGLE,
+        metrics=CellMetrics(),
+        hooks=FirstForwardHooks(),
+        compile_watch=None,
+        steps_ended=0,
+        loss_before_training=None,
+    )
+    applied, micro = 0, 0
+    with harness_forward(state), generators_kept(state):
+        try:
+            model = reference.fresh_model()
+            optimizer = reference.new_optimizer(model, state.engine.decayed_parameters(model))
+            scaler = reference.new_grad_scaler()
+            model.train()
+
+            def seed(module, args):
+                nonlocal micro
+                torch.manual_seed(forward_seed(applied, micro))
+                micro += 1
+
+            model.register_forward_pre_hook(seed)
+
+            def step():
+                nonlocal applied, micro
+                taken = train_step(reference, model, optimizer, scaler, engine.max_grad_norm)
+                applied, micro = applied + taken[1], 0
+                return taken
+
+            losses, skipped = take_steps(step, steps)
+            found = ([loss for attempt, loss in enumerate(losses) if attempt not in skipped], None)
+        except Exception as exc:  # the torch engine's own failure: recorded as the reference's
+            found = (None, signature_of("torch engine", exc).text)
+    _REFERENCE_CURVES[key] = found
+    return found
+
+
 # ---------------------------------------------------------------- one optimizer step
 
 
-def train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]:
+def train_step(state: CellState, model, optimizer, scaler, max_grad_norm: float | None = None) -> tuple[float, bool]:
     """One optimizer step over the precision's micro-batches, as the precisions are defined:
     torch.autocast around the forward, the grad scaler around backward and step. In a group,
     each rank on its rows, its loss weighted by its share of the batch's items (the ranks'
@@ -466,10 +559,14 @@ def train_step(state: CellState, model, optimizer, scaler) -> tuple[float, bool]
     value = sum(losses) / len(losses)
     if scaler is None:
         checks.check_finite_gradients(named)
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], max_grad_norm)
         optimizer.step()
         applied = True
     else:
         scaler.unscale_(optimizer)  # GradScaler refuses fp16 gradients here, by its own rule
+        if max_grad_norm:  # clipped unscaled, as the libraries clip
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], max_grad_norm)
         overflow = group.any(bool(checks.nonfinite_gradients(named)))  # such a step is skipped by design
         scaler.step(optimizer)
         scaler.update()
@@ -484,19 +581,20 @@ def loss_weight(state: CellState, rows: dict) -> float:
     return state.kind.loss_items(rows) * state.group.world_size / state.kind.loss_items(state.batch)
 
 
-def take_steps(step, steps: int) -> tuple[list[float], int]:
+def take_steps(step, steps: int) -> tuple[list[float], list[int]]:
     """Call step() -> (loss, applied) until `steps` optimizer steps were applied: every attempt's
-    loss, and how many attempts the grad scaler skipped."""
-    losses, skipped = [], 0
-    while len(losses) - skipped < steps:
+    loss, and the attempts (0-based) the grad scaler skipped."""
+    losses, skipped = [], []
+    while len(losses) - len(skipped) < steps:
         if len(losses) == MAX_STEP_ATTEMPTS:
             raise checks.NonFiniteValue(
                 "gradients kept overflowing: the grad scaler skipped every step",
-                details=f"{skipped} of {len(losses)} attempts skipped",
+                details=f"{len(skipped)} of {len(losses)} attempts skipped",
             )
         loss, applied = step()
+        if not applied:
+            skipped.append(len(losses))
         losses.append(loss)
-        skipped += not applied
     return losses, skipped
 
 

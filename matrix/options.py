@@ -76,6 +76,13 @@ def world_size(text) -> int:
     return value
 
 
+def curve_steps(text) -> int:
+    value = natural(text)
+    if value < 1:
+        raise OptionError(f"{text!r} is not a number of training steps (at least 1)")
+    return value
+
+
 OPTIONS: tuple[Option, ...] = (
     *(
         Option(
@@ -134,6 +141,21 @@ OPTIONS: tuple[Option, ...] = (
         default="2",
         metavar="N",
         check=world_size,
+        runner_needs=True,
+    ),
+    Option(
+        "--curve-steps",
+        "train every training cell for N steps before its checkpoint (default 3) and compare its loss curve step "
+        "by step with the torch engine's and the fp32 twin's (matrix/curves.py)",
+        metavar="N",
+        check=curve_steps,
+        runner_needs=True,
+    ),
+    Option(
+        "--initial-weights",
+        "build every model from the saved initial weights (and batch) in DIR instead of the kind's seeded "
+        "initialisation: how golden curves start (matrix/initial_weights.py)",
+        metavar="DIR",
         runner_needs=True,
     ),
     Option("--matrix-resume", "", flag_only=True, hidden=True),

@@ -26,9 +26,11 @@ what is written once is written by rank 0 and every rank agrees on whether it wo
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from matrix import checks, declared_dtypes, resume
+from matrix import checks, curves, declared_dtypes, initial_weights, resume, schedule
 from matrix.cell_state import CellState, Saved
 from matrix.float8 import sqnr_db
 from matrix.kind_traits import fp32_twin_fall, kind_learning_rate, kind_record
@@ -40,6 +42,7 @@ from matrix.measurements import (
     generators_kept,
     loss_before_training,
     position_deviations,
+    reference_curve,
     seed_first_training_forward,
     seeded_training_loss,
     snapshot_trainable,
@@ -104,8 +107,8 @@ def build(state: CellState) -> torch.nn.Module:
 
         state.compile_watch = Watch.begin()
         state.metrics.compiled = typed.Compiled(how=state.engine.compile_how)
-    model = state.converted(kind.build(state.precision, state.device, state.workdir), state.precision, for_engine=True)
-    state.batch = kind.batch(state.device)
+    model = state.converted(state.built(state.precision), state.precision, for_engine=True)
+    state.batch = initial_weights.batch(kind, state.device)
     state.metrics.effective = effective_settings(state, model)
     watch_first_forward(state, model)
     seed_first_training_forward(state, model)
@@ -141,21 +144,25 @@ def train_steps(state: CellState) -> None:
         dropout_off = engine.dropout_off_loss(state, run)
     if state.compile_watch is not None:
         state.compile_watch.training_started()
-    steps = engine.train(state, run, TRAIN_STEPS)
+    steps = engine.train(state, run, schedule.train_steps())
+    state.hooks.stop_seeding()  # past step k the engine's own random numbers run on
     if state.compile_watch is not None:
         state.compile_watch.training_ended()
         record_compiled(state)
         state.compile_watch.check_compiled("training")
         state.compile_watch.check_steps()
-    record_steps(state, steps, TRAIN_STEPS)
+    record_steps(state, steps, schedule.train_steps())
     state.metrics.train_losses = steps.losses
     if engine.owns_loop:
         state.metrics.optimizer_steps_applied = steps.applied
+    diverged = record_curve(state, steps.applied_losses)  # measured before any check raises: the record holds it
     check_training_contract(state, trainable_before, dtypes_before)
     if dropout_off is None:
         check_agrees_with_torch_engine(state, steps.losses[0], "train")
     else:
         check_agrees_with_torch_engine(state, dropout_off, DROPOUT_OFF)
+    if diverged is not None:
+        raise diverged
     scaler = engine.scaler_state(state, run)
     if scaler is not None and "scale" in scaler:
         state.metrics.grad_scale = float(scaler["scale"])
@@ -377,10 +384,10 @@ def loss_fall_bound(state: CellState) -> tuple[LossDecrease | None, str]:
             f"({established.source}); the fp32 cells fail for it"
         )
     twin, over = established.fp32_fall.relative, ""
-    applied = given(state.metrics.optimizer_steps_applied, TRAIN_STEPS)
-    if 0 < applied < TRAIN_STEPS:
-        # a library's fixed steps, some of them skipped by its grad scaler (fp16 on a GPU): the
-        # twin is judged over as many applied steps
+    applied = given(state.metrics.optimizer_steps_applied, schedule.train_steps())
+    if 0 < applied != TRAIN_STEPS:
+        # a library's fixed steps, some of them skipped by its grad scaler (fp16 on a GPU), or a
+        # run's longer curve: the twin is judged over as many applied steps
         twin, over = fp32_twin_fall(state.kind, established.value, applied), f" over {applied} applied step(s)"
     return LossDecrease(LOSS_FALL_VS_FP32 * twin), (
         f"{LOSS_FALL_VS_FP32:g} of the fp32 twin's fall {twin:.2%}{over} (torch engine, learning rate "
@@ -514,6 +521,92 @@ def check_against_eager(state: CellState, result) -> None:
             details=f"compiled {dtype_name(result.logits.dtype)}, eager {dtype_name(eager.logits.dtype)}",
         )
     checks.check_within_tolerance("compiled eval loss against the eager twin", value, reference, tolerance)
+
+
+def record_curve(state: CellState, losses: list[float]) -> checks.CurveDiverged | None:
+    """The training losses of the applied steps, step by step, against the torch engine's at the same precision and
+    against the fp32 twin's (matrix/curves.py), recorded; the first reference the curve leaves
+    gives the failure to raise once the cell's other training checks ran."""
+    from matrix.tolerances import curve_vs_fp32_twin, curve_vs_torch_engine
+
+    compute = curve_compute_dtype(state)
+    same_precision = curve_vs_torch_engine(compute)
+    steps = schedule.train_steps()
+    record = typed.Curve(
+        steps=steps,
+        losses=losses,
+        random_numbers=f"forward j of the first {steps} steps seeded with {FIRST_FORWARD_SEED} + j, all sides",
+        golden_tolerance=same_precision.as_dict(),
+    )
+    state.metrics.curve = record
+    split = None
+    if state.engine.distributed and stochastic_training_forward(state):
+        split = (
+            "the kind draws dropout masks in training: each rank draws its rows' masks, the torch loop the "
+            "whole batch's, so the curves differ by the draws"
+        )
+    twin_precision = dataclasses.replace(PRECISIONS["fp32"], grad_accumulation=state.precision.grad_accumulation)
+    quantization = state.precision.quantization.scheme if state.precision.quantization is not None else None
+    references = (
+        (
+            curves.TORCH_ENGINE,
+            "torch_engine",
+            state.precision,
+            same_precision,
+            "the cell is the torch engine: its curve is the reference" if state.cell.engine == "torch" else split,
+        ),
+        (
+            curves.FP32_TWIN,
+            "fp32_twin",
+            twin_precision,
+            curve_vs_fp32_twin(compute, quantization),
+            "the cell trains in fp32: it is its own fp32 twin" if is_fp32_twin(state.precision) else split,
+        ),
+    )
+    failure = None
+    for name, field, precision, tolerance, unchecked in references:
+        if unchecked is not None:
+            setattr(record, field, typed.CurveComparison(reference=name, unchecked=unchecked))
+            continue
+        reference, error = reference_curve(state, precision)
+        if error is not None:
+            setattr(record, field, typed.CurveComparison(reference=name, reference_error=error))
+            continue
+        compared = curves.compare(losses, reference, tolerance, name)
+        setattr(record, field, typed.CurveComparison.from_dict(compared.as_dict()))
+        if failure is None and not compared.held:
+            failure = checks.CurveDiverged(
+                f"the training loss curve leaves the {name}'s at step {compared.first_step_outside}",
+                details=compared.outside(losses) + reference_optimizer(state, name),
+            )
+    return failure
+
+
+def curve_compute_dtype(state: CellState) -> torch.dtype:
+    """The dtype a training cell's curve is judged by: its precision's compute dtype, or the coarser
+    autocast its run was seen computing in (Lightning runs 16-mixed as bf16 on a CPU: a curve
+    computed in bf16 is judged by bf16's row, whatever the precision's name says)."""
+    compute = state.precision.compute_dtype
+    observed = given(state.metrics.effective.autocast_dtype_in_forward, None)
+    dtype = getattr(torch, observed, None) if isinstance(observed, str) else None
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(compute).eps:
+        return dtype
+    return compute
+
+
+def reference_optimizer(state: CellState, name: str) -> str:
+    """How the torch engine's reference trained, as the engine declared its library trains: what a
+    loop whose curve leaves it at step 2 may have left undeclared (matrix/engines/base.py)."""
+    engine = state.engine
+    clipping = f"clipped to norm {engine.max_grad_norm:g}" if engine.max_grad_norm else "not clipped"
+    model = engine.weights(state, state.run)
+    decayed = engine.decayed_parameters(model)
+    trainable = sum(p.requires_grad for p in model.parameters())
+    decay = "all" if decayed is None else f"{len(decayed)} of the {trainable}"
+    return (
+        f"; the {name} trained AdamW at {state.learning_rate:g}, gradients {clipping}, weight decay on {decay} "
+        "trainable parameters, as the engine declares (Engine.max_grad_norm, Engine.decayed_parameters)"
+    )
 
 
 def check_agrees_with_torch_engine(state: CellState, loss: float, mode: str) -> None:

@@ -90,12 +90,30 @@ def pytest_configure(config):
         config.stash[shard_key] = parse_shard(config.getoption("matrix_shard"))
     except ValueError as error:  # SelectionError, OptionError
         raise pytest.UsageError(str(error)) from None
+    export_run_settings(config)
     if options.given(config.getoption):
         activate(config)
     if not is_worker(config) and not config.getoption("matrix_no_report"):
         root = reports_root(config.getoption("matrix_report_dir"), config.invocation_params.dir)
         config.stash[recorder_key] = Recorder(config, root, config.getoption("matrix_run_id"))
         config.pluginmanager.register(config.stash[recorder_key], "matrix-recorder")
+
+
+def export_run_settings(config) -> None:
+    """The run's curve length and initial weights, as environment variables: what every cell of
+    the run reads them from, in this process and in the ranks it starts (matrix/schedule.py,
+    matrix/initial_weights.py)."""
+    from matrix import schedule
+
+    steps = config.stash[values_key].get("matrix_curve_steps")
+    if steps is not None:
+        os.environ[schedule.CURVE_STEPS_VARIABLE] = str(steps)
+    weights = config.getoption("matrix_initial_weights")
+    if weights:
+        directory = Path(weights).resolve()
+        if not directory.is_dir():
+            raise pytest.UsageError(f"--initial-weights: {weights} is not a directory")
+        os.environ[schedule.INITIAL_WEIGHTS_VARIABLE] = str(directory)
 
 
 def activate(config) -> None:
@@ -440,7 +458,7 @@ class Recorder:
         )
 
     def run_header(self) -> dict:
-        from matrix import environment
+        from matrix import environment, schedule
         from matrix.selection import axis_values
 
         config = self.config
@@ -456,6 +474,8 @@ class Recorder:
             # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
             "stack": os.environ.get("MATRIX_STACK"),
             "cell_timeout_s": option(config, "matrix_cell_timeout"),
+            "curve_steps": schedule.train_steps(),
+            "initial_weights": os.environ.get(schedule.INITIAL_WEIGHTS_VARIABLE),
             **{f"git_{k}": v for k, v in environment.git_state(config.rootpath).items()},
         }
 

@@ -14,6 +14,11 @@ environment for the new run's stack). What it finds:
   does not list), with its message;
 - `not run`: the time budget was spent before it started.
 
+A loss curve that moved (the diff's curve-moved category) is bisected the same way, per moved
+cell (in id order, while the budget lasts) and changed package: the state of a release is
+whether the cell's curve stays within the row of the old run's (bisect.CurveJudge), and `found`
+names the first release where it moved (bisect_moved_curves).
+
 Each found failure also gets a standalone script (`python -m matrix repro`, torch-engine cells)
 beside the bisections, so the report links something to paste into an upstream issue.
 """
@@ -72,42 +77,116 @@ def bisect_new_failures(
     for signature, text, cells in representatives(new_changes):
         cell = cells[0]
         for package, (old, new) in sorted(packages.items()):
-            record = {
-                "signature": signature,
-                "signature_text": text,
-                "cell": cell,
-                "cells": len(cells),
-                "package": package,
-                "old": old,
-                "new": new,
-                "direction": _direction(str(old), str(new)) if old and new else "unknown",
-            }
+            record = _record(signature, text, cell, len(cells), package, old, new)
             records.append(record)
-            if not old or not new:
-                record.update(status="error", detail=f"{package} is absent from one run ({old} -> {new})")
-                continue
-            left = deadline - clock()
-            if left <= 0:
-                record.update(status="not run", detail=f"the bisection budget ({budget_s:.0f} s) was spent")
-                continue
-            start = clock()
-            try:
-                found = bisect_fn(package, str(old), str(new), cell, stack, output, [], log=log, deadline=start + left)
-            except BisectError as error:
-                same = "nothing to bisect" in str(error)
-                record.update(status="same at both ends" if same else "error", detail=str(error))
-            else:
-                record.update(
-                    status="found",
-                    first_changed=found["first_changed"],
-                    last_before=found["last_before_change"],
-                    from_state=found["from_state"],
-                    to_state=found["to_state"],
-                    tried=[trial["version"] for trial in found["evidence"]],
-                )
+
+            def bisection(deadline, package=package, old=old, new=new, cell=cell):
+                return bisect_fn(package, str(old), str(new), cell, stack, output, [], log=log, deadline=deadline)
+
+            if _try(record, bisection, deadline, budget_s, clock):
                 record["repro"] = repro_fn(cell, new_run, output)
-            record["seconds"] = round(clock() - start, 1)
     (output / "bisections.json").write_text(json.dumps(records, indent=2) + "\n")
+    return records
+
+
+def _record(signature: str, text: str, cell: str, cells: int, package: str, old, new) -> dict:
+    """What a bisection record says before it runs."""
+    return {
+        "signature": signature,
+        "signature_text": text,
+        "cell": cell,
+        "cells": cells,
+        "package": package,
+        "old": old,
+        "new": new,
+        "direction": _direction(str(old), str(new)) if old and new else "unknown",
+    }
+
+
+def _try(record: dict, bisection, deadline: float, budget_s: float, clock) -> dict | None:
+    """Run one bisection (bisection(deadline) -> bisect.bisect's result) within what is left of the
+    budget, its outcome into `record`; the result where it found the release, else None."""
+    package, old, new = record["package"], record["old"], record["new"]
+    if not old or not new:
+        record.update(status="error", detail=f"{package} is absent from one run ({old} -> {new})")
+        return None
+    left = deadline - clock()
+    if left <= 0:
+        record.update(status="not run", detail=f"the bisection budget ({budget_s:.0f} s) was spent")
+        return None
+    start, found = clock(), None
+    try:
+        found = bisection(start + left)
+    except BisectError as error:
+        same = "nothing to bisect" in str(error)
+        record.update(status="same at both ends" if same else "error", detail=str(error))
+    else:
+        record.update(
+            status="found",
+            first_changed=found["first_changed"],
+            last_before=found["last_before_change"],
+            from_state=found["from_state"],
+            to_state=found["to_state"],
+            tried=[trial["version"] for trial in found["evidence"]],
+        )
+    record["seconds"] = round(clock() - start, 1)
+    return found
+
+
+def curve_arguments(run: dict) -> tuple[str, ...]:
+    """What a cell runs with to train the curve a run recorded: its length and initial weights."""
+    arguments = ("--curve-steps", str(run.get("curve_steps") or 3))
+    if run.get("initial_weights"):
+        from matrix.curves import INITIAL_WEIGHTS_DIR
+
+        directory = Path(run["initial_weights"])
+        if not directory.is_absolute():  # golden curves name the directory in the repository
+            directory = INITIAL_WEIGHTS_DIR.parent / directory
+        arguments += ("--initial-weights", str(directory))
+    return arguments
+
+
+def bisect_moved_curves(
+    moved: list[dict],
+    packages: dict[str, tuple],
+    old_document: dict,
+    new_run: dict,
+    *,
+    stack: str,
+    budget_s: float,
+    output: Path,
+    bisect_fn=None,
+    clock=time.monotonic,
+    log=print,
+) -> list[dict]:
+    """One record per (moved cell, changed package), in the order they were tried: the first
+    release where the cell's curve leaves the old run's row."""
+    from matrix.bisect import CurveJudge
+    from matrix.curves import curve_of
+
+    if bisect_fn is None:
+        from matrix.bisect import bisect as bisect_fn
+    old_cells = {cell["id"]: cell for cell in old_document["cells"]}
+    deadline = clock() + budget_s
+    output.mkdir(parents=True, exist_ok=True)
+    records = []
+    for change in sorted(moved, key=lambda change: change["cell"]):
+        cell = change["cell"]
+        losses, row = curve_of(old_cells[cell])
+        judge = CurveJudge(tuple(losses), row, curve_arguments(new_run))
+        text = f"the curve leaves the old run's row at step {change['step']}"
+        for package, (was, now) in sorted(packages.items()):
+            record = _record("curve-moved", text, cell, 1, package, was, now)
+            records.append(record)
+
+            def bisection(deadline, package=package, was=was, now=now, cell=cell, judge=judge):
+                arguments = list(judge.arguments)
+                return bisect_fn(
+                    package, str(was), str(now), cell, stack, output, arguments, log=log, deadline=deadline, judge=judge
+                )
+
+            _try(record, bisection, deadline, budget_s, clock)
+    (output / "curve-bisections.json").write_text(json.dumps(records, indent=2) + "\n")
     return records
 
 

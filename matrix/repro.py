@@ -24,7 +24,7 @@ from matrix.packages import PINNED_IN_REPRO
 from matrix.pipeline import PHASE_NAMES
 from matrix.precisions import PRECISIONS
 from matrix.results.metrics import CellMetrics
-from matrix.schedule import MAX_STEP_ATTEMPTS, TRAIN_STEPS
+from matrix.schedule import MAX_STEP_ATTEMPTS, train_steps
 from matrix.selection import cell_from_id
 from matrix.variants import InvalidVariant
 from matrix.variants import from_json as variant_from_json
@@ -229,7 +229,7 @@ import torch
         weights_from=precision.weights_from,
         device=cell.device,
         lr=learning_rate_of(kind, record),
-        steps=TRAIN_STEPS,
+        steps=train_steps(),
         attempts=MAX_STEP_ATTEMPTS,
     )
     return header + phases + body + evaluate_phase + MAIN.format(phases="[" + ", ".join(runnable) + "]")

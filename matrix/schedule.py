@@ -6,9 +6,17 @@ hand-written loop is driven by it (matrix/pipeline.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-TRAIN_STEPS = 3  # optimizer steps applied before the checkpoint (step k)
+TRAIN_STEPS = 3  # optimizer steps applied before the checkpoint (step k), unless a run asks for a longer curve
+# A run's longer loss curve (--curve-steps N, matrix/curves.py): step k is N in every training
+# cell of the run. An environment variable, so that the ranks of a distributed engine (processes
+# started by the run) train the same number of steps.
+CURVE_STEPS_VARIABLE = "MATRIX_CURVE_STEPS"
+# and the directory of saved initial weights every model of the run starts from (--initial-weights,
+# matrix/initial_weights.py), alike
+INITIAL_WEIGHTS_VARIABLE = "MATRIX_INITIAL_WEIGHTS"
 RESUMED_STEPS = 1  # steps taken after it, on the resumed run and on the uninterrupted one (step k+1)
 # GradScaler starts at 2**16 and halves the scale on every overflow, skipping that step by
 # design; on these tiny models the first few fp16 steps overflow. Attempts are capped so a
@@ -21,14 +29,31 @@ FIRST_FORWARD_SEED = 20261123
 RESUME_SEED = 20261125  # the global generator's seed before step k+1 of a hand-written loop, on both sides
 
 
+def train_steps() -> int:
+    """Step k of this run: TRAIN_STEPS, or the curve length the run asked for."""
+    given = os.environ.get(CURVE_STEPS_VARIABLE)
+    return int(given) if given else TRAIN_STEPS
+
+
+def forward_seed(step: int, micro: int = 0) -> int:
+    """The seed of a training cell's forward of micro-batch `micro` (0-based) in the attempt at
+    step `step` (the steps applied before it) within its first train_steps() steps: every engine's
+    forwards, and the reference curves', draw the same dropout masks step by step, whichever
+    attempts a grad scaler skipped."""
+    return FIRST_FORWARD_SEED + 1000 * step + micro
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A training cell's run as a library that owns its loop is told it: `steps` steps, its own
     evaluation and checkpoint after the last of them, then `then` steps more, all in one run
     (the uninterrupted run); a run resumed from that checkpoint runs to the same end."""
 
-    steps: int = TRAIN_STEPS
     then: int = RESUMED_STEPS
+
+    @property
+    def steps(self) -> int:
+        return train_steps()
 
     @property
     def total(self) -> int:

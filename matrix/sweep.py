@@ -142,7 +142,7 @@ def run_release(env: ScratchEnvironment, package: str, version: str, selection: 
         return ReleaseResult(version, "does not import", detail, time.perf_counter() - start)
     command = [str(env.python), "-m", "matrix", "run", "cases", *selection]
     command += ["--report-dir", str(runs), "--run-id", version]
-    environment = {**os.environ, "MATRIX_STACK": env.stack.name}
+    environment = env.run_environment(package, version)
     done = subprocess.run(
         command, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, env=environment
     )

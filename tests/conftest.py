@@ -31,6 +31,17 @@ def pytest_configure(config):
     share_the_cores(config)
 
 
+@pytest.fixture(autouse=True)
+def fresh_reference_curves():
+    """Each test computes the reference curves its cells compare with afresh: a test that patches
+    the stack (an optimizer that skips steps) must not leave its references to the next test in the
+    worker. The matrix's own runs patch nothing, so they keep them for the process."""
+    yield
+    measurements = sys.modules.get("matrix.measurements")
+    if measurements is not None:
+        measurements._REFERENCE_CURVES.clear()
+
+
 def fresh_pytest_process(*args: str, report_dir: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the matrix in a fresh pytest process, as a user would, with the test plugins."""
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}

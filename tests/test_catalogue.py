@@ -302,3 +302,20 @@ def test_the_other_known_classes_reach_a_users_model_by_trait(
     in_force = catalogue.load().in_force(cell, environment.package_versions())
     outcome, entry = catalogue.classify(result.outcome, result.signature.text if result.signature else None, in_force)
     assert (outcome, entry.id if entry else None) == ("known", entry_id), result.message
+
+
+def test_an_entry_that_only_a_long_curve_shows_is_in_force_only_in_runs_that_long(monkeypatch):
+    """min_curve_steps: a failure the default 3-step curve cannot show (DeepSpeed ZeRO-0's AdamW
+    stepped at construction leaves tiny-llama's curve at step 4) is neither expected nor called
+    fixed in a run of 3 steps, and is known in a run of 8."""
+    from matrix import schedule
+
+    (entry,) = catalogue.parse(ENTRY.replace('kind = "bug"', 'kind = "bug"\nmin_curve_steps = 4')).entries
+    cell = Cell("tiny-transformer", "bf16-mixed", "eval", "cpu", "torch")
+    found = catalogue.Catalogue([entry])
+    monkeypatch.delenv(schedule.CURVE_STEPS_VARIABLE, raising=False)
+    assert entry.min_curve_steps == 4 and found.in_force(cell, {"torch": "2.13.0"}) == []
+    monkeypatch.setenv(schedule.CURVE_STEPS_VARIABLE, "8")
+    assert found.in_force(cell, {"torch": "2.13.0"}) == [entry]
+    with pytest.raises(catalogue.CatalogueError, match="field 'min_curve_steps' must be a whole number"):
+        catalogue.parse(ENTRY.replace('kind = "bug"', 'kind = "bug"\nmin_curve_steps = "4"'))

@@ -281,3 +281,51 @@ def test_a_malformed_published_sweep_is_refused_naming_the_file(tmp_path):
     bad.write_text('selection = []\n[[sweep]]\npackage = "peft"\nlast = 2\nversions = ["0.1"]\n')
     with pytest.raises(BisectError, match="either last or versions"):
         sweep.published_sweeps(bad)
+
+
+def test_the_nightly_bisects_a_moved_curve_by_its_curve_within_what_the_budget_left(tmp_path):
+    """A curve that moved overnight (diff's curve-moved) is bisected per changed package, each
+    release judged by whether the cell's curve stays within the row of last night's, and run with
+    the curve length and initial weights the runs had."""
+    from matrix.bisect import CurveJudge
+
+    clock, calls = Clock(), []
+    row = {"atol": 1e-3, "rtol": 1e-3, "per_step": 1e-3}
+
+    def bisect_fn(package, good, bad, cell, stack, output, extra, log, deadline, judge):
+        calls.append((package, good, bad, cell, tuple(extra)))
+        assert isinstance(judge, CurveJudge) and judge.reference_losses == (4.0, 3.5, 3.0) and judge.row == row
+        moved = {"metrics": {"curve": {"losses": [4.0, 3.5, 3.3], "golden_tolerance": row}}, "outcome": "failed"}
+        assert judge(moved)[0] == "curve moved"
+        clock.now += 100
+        return {
+            "first_changed": "0.18.3",
+            "last_before_change": "0.18.2",
+            "from_state": "curve as the old run's",
+            "to_state": "curve moved",
+            "evidence": [{"version": "0.18.2"}, {"version": "0.18.3"}],
+        }
+
+    cell = "tiny-llama-bf16-mixed-train-cpu-deepspeed-zero0"
+    old = {"cells": [{"id": cell, "metrics": {"curve": {"losses": [4.0, 3.5, 3.0], "golden_tolerance": row}}}]}
+    records = release_bisect.bisect_moved_curves(
+        [{"cell": cell, "step": 3}],
+        {"deepspeed": ("0.18.2", "0.18.5")},
+        old,
+        {"curve_steps": 3, "initial_weights": "initial"},
+        stack="deepspeed",
+        budget_s=150,
+        output=tmp_path,
+        bisect_fn=bisect_fn,
+        clock=clock,
+        log=lambda line: None,
+    )
+    (extra,) = {c[4] for c in calls}
+    assert extra[:2] == ("--curve-steps", "3") and extra[2] == "--initial-weights"
+    assert extra[3].endswith("matrix/golden/initial")  # a golden run names the directory in the repository
+    (record,) = records
+    assert record["status"] == "found" and record["signature"] == "curve-moved"
+    assert compare.bisection_verdict(record).startswith(
+        "first bad: deepspeed 0.18.3 (last good: 0.18.2; curve as the old run's -> curve moved)"
+    )
+    assert json.loads((tmp_path / "curve-bisections.json").read_text()) == records

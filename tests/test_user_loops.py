@@ -4,7 +4,8 @@ registered from -p modules as docs/ENGINES.md shows, run through `python -m matr
 torch engine. Where they are right they get the torch engine's verdicts; their twins with the
 bugs teams ship are caught by the harness's checks, in the right phase, before torch raises
 anything of its own: a checkpoint without the optimizer's and scaler's state fails the resumed
-step, "mixed" precision done as a cast fails right after the engine starts."""
+step, "mixed" precision done as a cast fails right after the engine starts, and gradients never
+zeroed between steps leave the torch engine's loss curve (issue 38)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ MODELS = ("tiny-llama", "lora")
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
 MIXED = ("fp16-mixed", "bf16-mixed")
 LOOPS = {
-    "user-loop": ("user-loop-model-only", "user-loop-cast"),
+    "user-loop": ("user-loop-model-only", "user-loop-cast", "user-loop-accumulating"),
     "user-trainer": ("user-trainer-model-only", "user-trainer-cast"),
 }
 ENGINES = ("torch", *LOOPS, *(twin for twins in LOOPS.values() for twin in twins))
@@ -100,6 +101,39 @@ def test_mixed_precision_done_as_a_cast_fails_right_after_the_engine_starts(cell
                 )
                 assert expected in buggy["signature"]["text"], buggy["signature"]["text"]
                 assert "Attempting to unscale" not in (buggy["message"] or "")
+
+
+def test_a_loop_that_never_zeroes_its_gradients_leaves_the_torch_engines_curve_at_step_3(cells):
+    """Step 1's loss is the fresh model's and step 2's follows the first update, which is right;
+    the second update applies both gradients, so step 3's loss is the first to differ: bit for bit
+    equal to the torch engine's before it. Nothing raises, the loss still falls and the first step
+    agrees with the torch engine. In fp32 the curve check fails it at step 3 (issue 38, DeepSpeed#7837's
+    class); in half precision this loop's difference at step 3 (it clips the summed gradients to norm
+    1) is within the precision's row, or below a half-precision loss's resolution, and the resumed
+    step catches it."""
+    compared = 0
+    for model in MODELS:
+        for precision in PRECISIONS:
+            right = cells[("user-loop", model, precision, "train")]
+            buggy = cells[("user-loop-accumulating", model, precision, "train")]
+            if right["outcome"] != "passed":
+                continue
+            assert right["metrics"]["curve"]["torch_engine"]["first_step_outside"] is None, right["id"]
+            curve = buggy["metrics"]["curve"]["torch_engine"]
+            assert curve["deviations"][:2] == [0.0, 0.0], (buggy["id"], curve)
+            assert buggy["outcome"] == "failed", buggy["id"]
+            if precision == "fp32":
+                assert buggy["phase"] == "train_steps", (buggy["id"], buggy["message"])
+                expected = "matrix.checks.CurveDiverged: the training loss curve leaves the torch engine's at step <n>"
+                assert buggy["signature"]["text"].startswith("train_steps: " + expected), buggy["signature"]["text"]
+                assert curve["deviations"][2] > 0 and curve["first_step_outside"] == 3, (buggy["id"], curve)
+                assert "(step 3: " in buggy["message"], buggy["message"]
+            else:
+                assert curve["first_step_outside"] is None, (buggy["id"], curve)
+                assert buggy["phase"] == "resumed_step", (buggy["id"], buggy["message"])
+                assert "ResumeDiverged" in buggy["signature"]["text"], buggy["signature"]["text"]
+            compared += 1
+    assert compared >= 6
 
 
 def test_an_engine_the_harness_cannot_see_into_is_refused_when_it_registers(registered):

@@ -86,6 +86,14 @@ class Steps:
 
     losses: list[float]
     applied: int
+    # the attempts (0-based, of `losses`) a grad scaler skipped; () where none was, or unknown
+    skipped: tuple[int, ...] = ()
+
+    @property
+    def applied_losses(self) -> list[float]:
+        """The loss of each attempt that applied its step: the curve, whatever a scaler skipped
+        (a skipped attempt leaves the weights as they were, and its step is tried again)."""
+        return [loss for attempt, loss in enumerate(self.losses) if attempt not in self.skipped]
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,15 @@ class Engine(abc.ABC):
     # True: the library converts the model to float8 itself (accelerate's fp8 with torchao); else
     # the harness converts it before start(), as users of the library do (matrix/float8.py)
     converts_float8 = False
+    # The gradient norm the library clips to as the cells run it (its default), None: it does not
+    # clip. The reference curves the cell's losses are compared with clip alike (matrix/curves.py).
+    max_grad_norm: float | None = None
+
+    def decayed_parameters(self, model) -> set[str] | None:
+        """The names of the trainable parameters the library's AdamW applies weight decay to, as
+        it builds its optimizer; None: all of them (torch.optim.AdamW over the model's parameters).
+        The reference curves build theirs alike (matrix/curves.py)."""
+        return None
 
     # ---------------------------------------------------------------- settings
 
@@ -390,11 +407,11 @@ class Loop(Engine):
 
         def step():
             taken = self.step(state, run)
-            state.step_ended()
+            state.step_ended(applied=taken[1])
             return taken
 
         losses, skipped = take_steps(step, steps)
-        return Steps(losses, len(losses) - skipped)
+        return Steps(losses, len(losses) - len(skipped), tuple(skipped))
 
     def evaluate(self, state, run) -> EvalOutput:
         return evaluate_rows(state, self.module(state, run), autocast=not self.forward_autocasts)
@@ -507,10 +524,12 @@ class LibraryLoop(Engine):
         )
 
     def step_ended(self, state, run, loss: float) -> None:
-        state.step_ended()
         progress = run.progress
+        applied = self.live_applied(state, run)
+        before = progress.applied_after[-1] if progress.applied_after else progress.applied_before
+        state.step_ended(applied=applied > before)
         progress.losses.append(loss)
-        progress.applied_after.append(self.live_applied(state, run))
+        progress.applied_after.append(applied)
 
     # -- the harness's side
 
@@ -546,7 +565,9 @@ class LibraryLoop(Engine):
         if progress.error is not None and (progress.resumed or end >= SCHEDULE.total):
             raise progress.error  # after its last step: the library failed as its loop ended
         before = progress.applied_after[start - 1] if start else progress.applied_before
-        return Steps(progress.losses[start:end], progress.applied_after[end - 1] - before)
+        counts = [before, *progress.applied_after[start:end]]
+        skipped = tuple(i for i in range(end - start) if counts[i + 1] == counts[i])
+        return Steps(progress.losses[start:end], progress.applied_after[end - 1] - before, skipped)
 
     def evaluate(self, state, run) -> EvalOutput:
         if run.progress is None:

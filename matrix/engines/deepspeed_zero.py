@@ -41,10 +41,9 @@ from matrix.libraries import deepspeed as ds
 from matrix.measurements import evaluate_rows, fresh_model, loss_weight
 from matrix.precisions import Precision
 from matrix.results.metrics import UNSET
-from matrix.schedule import TRAIN_STEPS
 
 STAGES = (0, 1, 2, 3)
-TAG = f"step{TRAIN_STEPS}"
+TAG = "step-k"  # the checkpoint written after step k (matrix/schedule.py)
 INITIAL_SCALE_POWER = 16  # torch.amp.GradScaler starts at 2**16 too
 
 
@@ -109,6 +108,13 @@ class ZeroEngine(DistributedEngine, Loop):
             f"DeepSpeed ZeRO stage {stage} ({what}), bf16/fp16 config, save_checkpoint/load_checkpoint, "
             "consolidated fp32 weights"
         )
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """DeepSpeed's own default, whichever release is installed (its config sets no clipping)."""
+        from matrix.libraries.deepspeed import default_gradient_clipping
+
+        return default_gradient_clipping()
 
     def derive_settings(self, precision: Precision) -> DeepSpeedSettings | Unsupported:
         return derive_deepspeed(self.stage, precision)

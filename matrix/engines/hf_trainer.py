@@ -113,6 +113,13 @@ class HFTrainerEngine(LibraryLoop):
     forward_autocasts = True  # the Trainer's accelerate wraps the model's forward in its autocast
     compile_how = "TrainingArguments(torch_compile=True): the Trainer's accelerate compiles the model it prepares"
     requires = ("transformers", "accelerate")  # the Trainer refuses to start without accelerate
+    max_grad_norm = 1.0  # TrainingArguments' default, which the cells keep (passed explicitly)
+
+    def decayed_parameters(self, model) -> set[str]:
+        # the Trainer's own rule (biases and norms are not decayed); the method reads nothing of
+        # the Trainer but the model
+        return set(trainer_classes().Trainer.get_decay_parameter_names(None, model))
+
     # a Trainer subclass (a user's, with its own compute_loss); None: transformers' Trainer
     trainer_class: type | None = None
 

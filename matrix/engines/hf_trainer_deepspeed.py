@@ -47,6 +47,15 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
     forward_autocasts = True  # DeepSpeed casts the module to its half dtype: no autocast around it
     requires = (*HFTrainerEngine.requires, "deepspeed")
 
+    @property
+    def max_grad_norm(self) -> float | None:
+        """On DeepSpeed the Trainer leaves clipping to DeepSpeed, and its config here sets no
+        gradient_clipping (the Trainer fills in only an "auto"): DeepSpeed's own default applies,
+        whatever TrainingArguments.max_grad_norm says."""
+        from matrix.libraries.deepspeed import default_gradient_clipping
+
+        return default_gradient_clipping()
+
     def __init__(self, stage: int) -> None:
         self.stage = stage
         self.name = f"hf-trainer-zero{stage}"

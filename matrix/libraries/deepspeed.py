@@ -24,6 +24,15 @@ def installed_version() -> str | None:
     return packages.installed_version("deepspeed")
 
 
+def default_gradient_clipping() -> float | None:
+    """The gradient norm DeepSpeed clips to when its config sets no `gradient_clipping` (the
+    matrix's configs set none, as its own examples do): 0, none, up to 0.18.x; 1.0 in later
+    releases (measured: 0.19.8). None where it does not clip."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(GRADIENT_CLIPPING_DEFAULT) or None
+
+
 @functools.cache
 def accelerator_refusal(device_type: str, dtype: str) -> str | None:
     """DeepSpeed's own refusal of `dtype` on a device type (its engine's sanity check), or None.

@@ -88,6 +88,7 @@ def training_arguments(state, max_steps: int, output: Path, rows: int, **overrid
         learning_rate=state.learning_rate,
         lr_scheduler_type="constant",
         weight_decay=0.01,  # torch.optim.AdamW's default, as in the torch engine
+        max_grad_norm=state.engine.max_grad_norm or 0.0,  # the engine's (its library's default); 0: none
         optim="adamw_torch",
         eval_strategy="steps",
         eval_steps=SCHEDULE.steps,

@@ -14,6 +14,10 @@ failure whose signature changed is in `signature-changed` and `known-stopped`):
                      nightly runner loses its GPU
   drift              passed in both, but the deviation from the fp32 reference grew by more than
                      a fraction of the cell's tolerance (DRIFT_FRACTION below, --drift-threshold)
+  curve-moved        trained in both, and the new training loss curve left the old one's row at
+                     some step (the row the cell records: matrix/curves.py); named by that step.
+                     Against golden curves (matrix/golden/, a slim run) it is what a release did
+                     to training
 
 The gate (exit status 1) is `new` unless --fail-on names other categories. Standard library
 only: a diff must not need the stack that produced the runs.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from matrix import curves
 from matrix.packages import STACK
 from matrix.results.metrics import CellMetrics, Tolerance
 
@@ -37,6 +42,7 @@ CATEGORIES = (
     "known-stopped",
     "skipped",
     "drift",
+    "curve-moved",
 )
 DEFAULT_FAIL_ON = ("new",)
 # Drift is growth of a cell's |loss - fp32 loss| by more than this fraction of what its
@@ -139,6 +145,27 @@ def drift_of(old: dict, new: dict, fraction: float) -> dict | None:
     }
 
 
+def curve_moved(old: dict, new: dict) -> dict | None:
+    """The new run's training losses left the old run's row at some step: the first such step, the
+    two losses there and what the row (the new cell's golden_tolerance, else the old's) allowed.
+    None where either has no curve, they have different lengths, or the curve held."""
+    (losses, row), (reference, old_row) = curves.curve_of(new), curves.curve_of(old)
+    row = row or old_row
+    if not losses or not reference or len(losses) != len(reference) or not row:
+        return None
+    compared = curves.compare(losses, reference, curves.CurveTolerance.from_dict(row), curves.GOLDEN)
+    if compared.held:
+        return None
+    step = compared.first_step_outside
+    return {
+        "step": step,
+        "old_loss": reference[step - 1],
+        "new_loss": losses[step - 1],
+        "allowed": compared.allowed[step - 1],
+        "steps": len(losses),
+    }
+
+
 def diff(old: dict, new: dict, *, old_source: str = "", new_source: str = "", drift_fraction=DRIFT_FRACTION) -> Diff:
     old_summary, new_summary = _run_summary(old, old_source), _run_summary(new, new_source)
     packages = {
@@ -191,6 +218,10 @@ def diff(old: dict, new: dict, *, old_source: str = "", new_source: str = "", dr
             if drift:
                 add("drift", cell_id, **drift)
                 changed = True
+        moved = curve_moved(was, now)
+        if moved:
+            add("curve-moved", cell_id, **moved)
+            changed = True
         result.unchanged += not changed and was["outcome"] == now["outcome"]
     return result
 
@@ -223,6 +254,32 @@ HEADINGS = {
     "known-stopped": "Known-failure entries that stopped matching",
     "skipped": "Newly skipped (ran before, skipped now)",
     "drift": f"Numeric drift (deviation from fp32 grew by more than {DRIFT_FRACTION:.0%} of the tolerance)",
+    "curve-moved": "Loss curves that moved (the new curve left the old one's row)",
+}
+
+
+# the categories whose changes carry numbers: their table's headers, and a change's row
+TABLES = {
+    "drift": (
+        ("cell", "old deviation", "new deviation", "allowed", "growth"),
+        lambda i: (
+            f"`{i['cell']}`",
+            f"{i['old_deviation']:.3g}",
+            f"{i['new_deviation']:.3g}",
+            f"{i['allowed']:.3g}",
+            f"{i['growth_of_allowed']:.0%} of allowed",
+        ),
+    ),
+    "curve-moved": (
+        ("cell", "first step outside", "old loss", "new loss", "allowed"),
+        lambda i: (
+            f"`{i['cell']}`",
+            f"{i['step']} of {i['steps']}",
+            f"{i['old_loss']:.6g}",
+            f"{i['new_loss']:.6g}",
+            f"{i['allowed']:.3g}",
+        ),
+    ),
 }
 
 
@@ -257,13 +314,10 @@ def diff_markdown(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:
             continue
         gate = " (gates)" if category in fail_on else ""
         lines += ["", f"## {HEADINGS[category]}{gate}", ""]
-        if category == "drift":
-            lines += ["| cell | old deviation | new deviation | allowed | growth |", "|---|---|---|---|---|"]
-            lines += [
-                f"| `{i['cell']}` | {i['old_deviation']:.3g} | {i['new_deviation']:.3g} | {i['allowed']:.3g} "
-                f"| {i['growth_of_allowed']:.0%} of allowed |"
-                for i in items
-            ]
+        if category in TABLES:
+            headers, row = TABLES[category]
+            lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(row(i)) + " |" for i in items]
         elif category in ("known-started", "known-stopped"):
             lines += ["| entry | cell | old | new |", "|---|---|---|---|"]
             lines += [
@@ -278,7 +332,7 @@ def diff_markdown(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:
         lines += ["", "### New signatures", ""]
         lines += [f"- `{sig}`: {_md(text)}" for sig, text in new_signatures.items()]
     if result.bisections:
-        lines += ["", "## Which release broke it", ""]
+        lines += ["", "## Which release broke it (or moved the curve)", ""]
         lines += [
             f"- `{b['signature']}` ({b['cells']} cells; bisected `{b['cell']}`): {_md(bisection_verdict(b))}"
             for b in result.bisections

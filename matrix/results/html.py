@@ -3,7 +3,8 @@
 `html_report(document)` renders a results.json document (matrix/results/results.schema.json) as a
 header (counts, command, stack, machine, warnings), one grid per device x engine (models as
 rows, precision x mode as columns, coloured by outcome), a details panel per cell that a click
-on the cell shows (CSS :target), the failure signatures, the catalogue entries, the
+on the cell shows (CSS :target) with a training cell's loss curve drawn against its references
+(inline SVG, `curve_figure`), the failure signatures, the catalogue entries, the
 explorations and the environment.
 
 Every string taken from the document is escaped, in text and in attributes alike; only http(s)
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 from urllib.parse import quote, urlsplit
 
 from matrix.results.files import AXES, OUTCOMES, known_failure_keys
+from matrix.results.metrics import CellMetrics, Curve, CurveComparison, given
 from matrix.results.reach import Reach, reach
 
 UPSTREAM_REFERENCE = re.compile(r"([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#([0-9]+)")  # owner/repo#123
@@ -58,6 +61,9 @@ td.empty { background: repeating-linear-gradient(45deg, #fff, #fff 4px, #f0f0f0 
 .detail .close { float: right; font-size: 1.2rem; text-decoration: none; }
 .detail .kv { width: 100%; }
 details summary { cursor: pointer; }
+.curve svg { display: block; max-width: 100%; height: auto; font: 9px system-ui, sans-serif; }
+.curve p { margin: .15rem 0; }
+.curve .outside, .curve .error { color: #b02a37; font-weight: 600; }
 .cells { margin: 0; padding-left: 1.2rem; }
 """
 
@@ -164,6 +170,256 @@ def cell_links(cell_ids) -> str:
         return '<span class="none">none</span>'
     items = "".join(f'<li><a href="{esc(href("cell", c))}">{esc(c)}</a></li>' for c in cell_ids)
     return f'<details><summary>{len(cell_ids)} cells</summary><ul class="cells">{items}</ul></details>'
+
+
+# ------------------------------------------------------------------ loss curves
+
+# the curves a training cell's panel draws: its own (curve.losses, the applied steps'), then its references
+# (matrix/curves.py), each with a colour, a dash pattern and a marker shape of its own, so that a
+# reference drawn over an identical curve still shows
+CURVE_SERIES = (
+    ("cell", "the cell", "#1f5fbf", "", "circle"),
+    ("torch_engine", "torch engine", "#d97706", "5 3", "square"),
+    ("fp32_twin", "fp32 twin", "#15803d", "2 2", "diamond"),
+)
+CURVE_WIDTH, CURVE_HEIGHT = 320, 160
+CURVE_PLOT = (46, 8, 312, 112)  # left, top, right, bottom of the plot area inside the SVG
+OUTSIDE_COLOUR = "#dc2626"
+
+
+def loss_value(value) -> float | None:
+    """A loss as results.json holds it (a number, or "nan" / "inf" / "-inf"): a finite float, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except OverflowError:
+            return None
+        return value if math.isfinite(value) else None
+    return None
+
+
+def loss_text(value, spec: str = ".5g") -> str:
+    number = loss_value(value)
+    return format(number, spec) if number is not None else str(value)
+
+
+def at_step(values, step) -> object:
+    """values[step - 1] of a per-step list, None where it has no such step."""
+    if isinstance(values, list) and isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= len(values):
+        return values[step - 1]
+    return None
+
+
+def curve_comparisons(metrics: dict) -> tuple[list, Curve | None]:
+    """The cell's own losses and its curve record (typed, None when it records none)."""
+    typed = CellMetrics.from_dict(metrics)
+    curve = typed.curve if isinstance(typed.curve, Curve) else None
+    # the applied steps' losses (what the references are compared with); a run before them: every attempt's
+    losses = given(curve.losses) if curve is not None else None
+    if not isinstance(losses, list):
+        losses = given(typed.train_losses)
+    return (losses if isinstance(losses, list) else []), curve
+
+
+def curve_series(metrics: dict) -> list[tuple[str, str, str, str, str, list]]:
+    """(key, label, colour, dash, marker, losses) of each curve the cell records losses for."""
+    losses, curve = curve_comparisons(metrics)
+    found = []
+    for key, label, colour, dash, marker in CURVE_SERIES:
+        if key == "cell":
+            values = losses
+        else:
+            comparison = given(getattr(curve, key)) if curve else None
+            values = given(comparison.reference_losses) if isinstance(comparison, CurveComparison) else None
+        if isinstance(values, list) and values:
+            found.append((key, label, colour, dash, marker, values))
+    return found
+
+
+def _marker(shape: str, x: float, y: float, colour: str) -> str:
+    if shape == "square":
+        return f'<rect x="{x - 2.5:.1f}" y="{y - 2.5:.1f}" width="5" height="5" fill="{colour}"/>'
+    if shape == "diamond":
+        points = f"{x:.1f},{y - 3.2:.1f} {x + 3.2:.1f},{y:.1f} {x:.1f},{y + 3.2:.1f} {x - 3.2:.1f},{y:.1f}"
+        return f'<polygon points="{points}" fill="{colour}"/>'
+    return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.6" fill="{colour}"/>'
+
+
+def curve_svg(metrics: dict) -> str:
+    """A training cell's loss curve against its references' as a small inline SVG: x the step
+    (1..n), y the loss; one polyline with point markers per curve recorded, a legend, the min and
+    max of both axes, and a red ring at each reference's first step outside the row. Points that
+    are not finite are left out (curve_figure says which). Empty where no curve has a finite point."""
+    series = curve_series(metrics) if isinstance(metrics, dict) else []
+    finite = [
+        (key, label, colour, dash, marker, [(s, v) for s, v in enumerate(map(loss_value, values), 1) if v is not None])
+        for key, label, colour, dash, marker, values in series
+    ]
+    ys = [v for *_, points in finite for _, v in points]
+    if not ys:
+        return ""
+    steps = max(len(values) for *_, values in series)
+    left, top, right, bottom = CURVE_PLOT
+    low, high = min(ys), max(ys)
+
+    inset = 6  # the first and last points, and the lowest and highest, keep off the frame
+
+    def x_of(step: int) -> float:  # a single step sits in the middle
+        if steps == 1:
+            return (left + right) / 2
+        return left + inset + (right - left - 2 * inset) * (step - 1) / (steps - 1)
+
+    def y_of(value: float) -> float:  # a flat curve sits in the middle
+        if high == low:
+            return (top + bottom) / 2
+        return bottom - inset - (bottom - top - 2 * inset) * (value - low) / (high - low)
+
+    parts = [
+        f'<svg class="curve-plot" width="{CURVE_WIDTH}" height="{CURVE_HEIGHT}" '
+        f'viewBox="0 0 {CURVE_WIDTH} {CURVE_HEIGHT}" font-size="9" role="img" aria-label="training loss per step">',
+        f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="#fafafa" stroke="#bbb"/>',
+    ]
+    # the axes' ticks: min and max (one tick where they are equal)
+    x_ticks = sorted({1, steps})
+    y_ticks = sorted({low, high})
+    for step in x_ticks:
+        x = x_of(step)
+        parts.append(f'<line x1="{x:.1f}" y1="{bottom}" x2="{x:.1f}" y2="{bottom + 3}" stroke="#666"/>')
+        parts.append(f'<text x="{x:.1f}" y="{bottom + 12}" text-anchor="middle">{esc(step)}</text>')
+    for value in y_ticks:
+        y = y_of(value)
+        parts.append(f'<line x1="{left - 3}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#666"/>')
+        parts.append(f'<text x="{left - 5}" y="{y + 3:.1f}" text-anchor="end">{esc(format(value, ".5g"))}</text>')
+    parts.append(f'<text x="{(left + right) / 2:.1f}" y="{bottom + 22}" text-anchor="middle" fill="#555">step</text>')
+    middle = (top + bottom) / 2
+    parts.append(
+        f'<text x="9" y="{middle:.1f}" transform="rotate(-90 9 {middle:.1f})" text-anchor="middle" '
+        'fill="#555">loss</text>'
+    )
+    for key, _label, colour, dash, marker, points in finite:
+        if not points:
+            continue
+        width = "2.4" if key == "cell" else "1.4"
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
+        coordinates = " ".join(f"{x_of(s):.1f},{y_of(v):.1f}" for s, v in points)
+        parts.append(
+            f'<polyline class="series" data-series="{esc(key)}" points="{coordinates}" fill="none" '
+            f'stroke="{colour}" stroke-width="{width}"{dashes}/>'
+        )
+        parts += [_marker(marker, x_of(s), y_of(v), colour) for s, v in points]
+    # the first step outside the row, against each reference: a red line across the plot at that
+    # step (the two curves may lie closer than a pixel) and a red ring on the cell's point there (on
+    # the reference's where the cell's is not finite, on the step axis where neither is)
+    losses, curve = curve_comparisons(metrics)
+    for key, *_ in CURVE_SERIES[1:]:
+        comparison = given(getattr(curve, key)) if curve else None
+        if not isinstance(comparison, CurveComparison):
+            continue
+        step = given(comparison.first_step_outside)
+        if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= steps:
+            continue
+        value = loss_value(at_step(losses, step))
+        if value is None:
+            value = loss_value(at_step(given(comparison.reference_losses), step))
+        x, y = x_of(step), (bottom if value is None else y_of(value))
+        parts.append(
+            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="{OUTSIDE_COLOUR}" '
+            'stroke-opacity=".45" stroke-dasharray="3 2"/>'
+        )
+        parts.append(
+            f'<circle class="outside" data-step="{esc(step)}" cx="{x:.1f}" cy="{y:.1f}" r="5.5" '
+            f'fill="none" stroke="{OUTSIDE_COLOUR}" stroke-width="2"/>'
+        )
+    # the legend, one row below the step axis
+    x = left
+    for key, label, colour, dash, marker, _points in finite:
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
+        parts.append(
+            f'<line x1="{x}" y1="{CURVE_HEIGHT - 9}" x2="{x + 16}" y2="{CURVE_HEIGHT - 9}" stroke="{colour}" '
+            f'stroke-width="{"2.4" if key == "cell" else "1.4"}"{dashes}/>'
+        )
+        parts.append(_marker(marker, x + 8, CURVE_HEIGHT - 9, colour))
+        parts.append(f'<text x="{x + 19}" y="{CURVE_HEIGHT - 6}">{esc(label)}</text>')
+        x += 24 + 5 * len(label)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def curve_lines(metrics: dict) -> list[tuple[str, str]]:
+    """What the plot cannot say, one line each as (class, HTML): against each reference, the first
+    step outside the row (the step, the two losses, what the row allowed) or how near the curve
+    came; why a reference was not compared or failed itself; the points not drawn."""
+    losses, curve = curve_comparisons(metrics)
+    lines = []
+    for key, label, *_ in CURVE_SERIES[1:]:
+        comparison = given(getattr(curve, key)) if curve else None
+        if not isinstance(comparison, CurveComparison):
+            continue
+        name = given(comparison.reference) or label
+        error, unchecked = given(comparison.reference_error), given(comparison.unchecked)
+        step, worst = given(comparison.first_step_outside), given(comparison.worst_step)
+        if error:
+            lines.append(("error", f"the {esc(name)}'s own run failed, nothing to compare with: {esc(error)}"))
+        elif unchecked:
+            lines.append(("unchecked", f"not compared with the {esc(name)}: {esc(unchecked)}"))
+        elif step is not None:
+            value, reference = at_step(losses, step), at_step(given(comparison.reference_losses), step)
+            difference = (
+                f" (|difference| {abs(loss_value(value) - loss_value(reference)):.2g})"
+                if loss_value(value) is not None and loss_value(reference) is not None
+                else ""
+            )
+            lines.append(
+                (
+                    "outside",
+                    f"leaves the {esc(name)}'s curve at step {esc(step)}: {esc(loss_text(value))} vs "
+                    f"{esc(loss_text(reference))}{esc(difference)}, allowed "
+                    f"{esc(loss_text(at_step(given(comparison.allowed), step), '.2g'))}",
+                )
+            )
+        elif worst is not None:
+            compared = given(comparison.steps_compared)
+            over = f" over {esc(compared)} step{'s' if compared != 1 else ''}" if compared is not None else ""
+            share = loss_value(given(comparison.worst_share))
+            nearest = f"{share:.1%}" if share is not None else esc(given(comparison.worst_share))
+            lines.append(
+                (
+                    "within",
+                    f"within the {esc(name)}'s row{over}; nearest at step {esc(worst)}, {nearest} of what it allows",
+                )
+            )
+    skipped = [
+        f"{label} at step {step} ({esc(value)})"
+        for _key, label, *_, values in curve_series(metrics)
+        for step, value in enumerate(values, 1)
+        if loss_value(value) is None
+    ]
+    if skipped:
+        lines.append(("skipped", f"not drawn, not finite: {'; '.join(skipped)}"))
+    return lines
+
+
+def curve_figure(metrics) -> str:
+    """A training cell's loss curve in its details panel: the SVG and its lines; empty for a cell
+    that records neither losses nor a curve (an eval cell, an older run)."""
+    if not isinstance(metrics, dict):
+        return ""
+    losses, curve = curve_comparisons(metrics)
+    if not losses and curve is None:
+        return ""
+    svg = curve_svg(metrics)
+    lines = curve_lines(metrics)
+    if not svg and not lines:
+        return ""
+    text = "".join(f'<p class="{kind}">{line}</p>' for kind, line in lines)
+    return f'<div class="curve">{svg or "<p>no finite loss to draw</p>"}{text}</div>'
 
 
 # ------------------------------------------------------------------ sections
@@ -365,6 +621,9 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
         )
     rerun = cell.get("rerun") or f"pytest 'cases/test_cells.py::test_cell[{cell['id']}]'"
     rows.append(("re-run", f"<pre>{pre_text(rerun)}</pre>"))
+    curve = curve_figure(cell.get("metrics"))
+    if curve:
+        rows.append(("loss curve", curve))
     if cell.get("metrics"):
         metrics = json.dumps(cell["metrics"], indent=1, default=str, ensure_ascii=False)
         rows.append(("metrics", f"<pre>{pre_text(metrics)}</pre>"))

@@ -1,21 +1,36 @@
 """summary.md: one grid per device and mode, new failures grouped by signature (each with its
 first cell's traceback, folded), fixed cells by catalogue entry, skip reasons, known failures,
-signatures, the slowest phases, explorations, the precision table."""
+signatures, the loss curves that came nearest their rows, the slowest phases, explorations, the
+precision table."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from matrix.results import crash_dump
 from matrix.results.files import known_failure_keys
-from matrix.results.metrics import UNSET, CellMetrics, Effective, KindRecord, LearningRate
+from matrix.results.metrics import (
+    UNSET,
+    CellMetrics,
+    Curve,
+    CurveComparison,
+    Effective,
+    KindRecord,
+    LearningRate,
+    given,
+)
 from matrix.results.phase_costs import slowest_phases_markdown
 from matrix.results.reach import reach
 
 # summary.md goes into a CI job's summary, which GitHub caps at 1 MiB: a new signature's
 # traceback there keeps its first lines and innermost frames in this many characters.
 SUMMARY_TRACEBACK_LIMIT = 4000
+# "Loss curves: the worst deviations" lists this many comparisons, the nearest their rows first
+CURVE_ROWS = 10
+# a cell's curve record's comparisons (matrix/curves.py), in the order the section counts them
+CURVE_REFERENCES = (("torch_engine", "torch engine"), ("fp32_twin", "fp32 twin"))
 
 
 def _md(text: str) -> str:
@@ -209,6 +224,7 @@ def summary_markdown(document: dict) -> str:
     else:
         lines.append("No cell failed.")
 
+    lines += curves_markdown(cells)
     lines += slowest_phases_markdown(cells)
     lines += exploration_markdown(document.get("explorations", []))
     lines += model_kinds_markdown(cells)
@@ -228,6 +244,127 @@ def summary_markdown(document: dict) -> str:
         )
     lines += ["", "Each cell's effective settings (parameter dtypes, autocast dtype in force) are in results.json."]
     return "\n".join(lines) + "\n"
+
+
+def _number(value) -> float | None:
+    """A float as results.json writes it (a number, or "nan" / "inf" / "-inf"), None where it is none."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf
+    return None
+
+
+def _at(values, step) -> float | None:
+    """values[step - 1] of a per-step list, as a number; None where there is no such step."""
+    if isinstance(values, list) and isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= len(values):
+        return _number(values[step - 1])
+    return None
+
+
+def share_text(share: float) -> str:
+    """A deviation as a share of what its row allows: "1.4x" past the row, "37%" within it."""
+    if math.isnan(share) or share == math.inf:
+        return "∞" if share == math.inf else "nan"
+    if share >= 1:
+        return f"{share:.1f}x"
+    if share == 0:
+        return "0%"
+    if share < 0.001:
+        return "<0.1%"
+    return f"{share:.0%}" if share >= 0.1 else f"{share:.1%}"
+
+
+def curve_comparisons(cells: list[dict]) -> tuple[int, list[tuple[dict, str, CurveComparison]], int]:
+    """Of the cells' loss curves (matrix/curves.py): how many cells record one; each (cell,
+    reference, comparison) that was compared (it has a worst step); how many references failed
+    themselves (nothing to compare with)."""
+    recorded, compared, failed = 0, [], 0
+    for cell in cells:
+        metrics = cell.get("metrics")
+        curve = CellMetrics.from_dict(metrics).curve if isinstance(metrics, dict) else None
+        if not isinstance(curve, Curve):
+            continue
+        recorded += 1
+        for key, name in CURVE_REFERENCES:
+            comparison = given(getattr(curve, key))
+            if not isinstance(comparison, CurveComparison):
+                continue
+            if given(comparison.reference_error):
+                failed += 1
+            elif _number(given(comparison.worst_share)) is not None:
+                compared.append((cell, name, comparison))
+    return recorded, compared, failed
+
+
+def curves_markdown(cells: list[dict]) -> list[str]:
+    """The training cells' loss curves that came nearest their rows or left them (matrix/curves.py),
+    against either reference, the largest share of what the row allows first: at most CURVE_ROWS.
+    Nothing where no cell recorded a curve."""
+    recorded, compared, failed = curve_comparisons(cells)
+    if not recorded:
+        return []
+    counts = []
+    for _, name in CURVE_REFERENCES:
+        against = [c for _, reference, c in compared if reference == name]
+        left = sum(given(c.first_step_outside) is not None for c in against)
+        counts.append(f"{len(against)} against the {name} ({left} left {'its row' if left == 1 else 'their rows'})")
+    # a curve identical to its reference's, step for step, came near nothing: counted, not listed
+    deviating = [item for item in compared if _number(given(item[2].worst_share)) != 0]
+    identical = len(compared) - len(deviating)
+    lines = [
+        "",
+        "## Loss curves: the worst deviations",
+        "",
+        f"{recorded} training {'cell' if recorded == 1 else 'cells'} recorded a loss curve; compared step by step, "
+        f"{' and '.join(counts)}"
+        + (f", {identical} of these identical to their reference step for step" if identical else "")
+        + (f"; {failed} {'reference' if failed == 1 else 'references'} failed themselves" if failed else "")
+        + (
+            f". The {min(len(deviating), CURVE_ROWS)} nearest their rows or past them, the largest share of what "
+            "the row allows first (a row allows atol + rtol x |reference| + per_step x (step - 1)):"
+            if deviating
+            else "."
+        ),
+    ]
+    if not deviating:
+        return lines
+
+    def order(item: tuple[dict, str, CurveComparison]) -> tuple:
+        cell, reference, comparison = item
+        share = _number(given(comparison.worst_share))
+        share = math.inf if share is None or math.isnan(share) else share
+        return (-share, given(comparison.first_step_outside) is None, cell["id"], reference)
+
+    lines += [
+        "",
+        "| cell | reference | steps compared | worst step | \\|difference\\| there | allowed there "
+        "| share of allowed | row |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell, reference, comparison in sorted(deviating, key=order)[:CURVE_ROWS]:
+        worst = given(comparison.worst_step)
+        deviation, allowed = _at(given(comparison.deviations), worst), _at(given(comparison.allowed), worst)
+        outside = given(comparison.first_step_outside)
+        steps = given(comparison.steps_compared)
+        if steps is None and isinstance(given(comparison.deviations), list):
+            steps = len(comparison.deviations)
+        lines.append(
+            f"| `{_md(cell['id'])}` | {_md(reference)} | {'-' if steps is None else steps} | "
+            f"{'-' if worst is None else worst} | {'-' if deviation is None else format(deviation, '.3g')} | "
+            f"{'-' if allowed is None else format(allowed, '.3g')} | {share_text(_number(comparison.worst_share))} | "
+            + (f"left the row at step {outside}" if outside is not None else "within")
+            + " |"
+        )
+    return lines
 
 
 def not_run_markdown(shown) -> list[str]:

@@ -171,6 +171,35 @@ class CrossEngine(Record):
 
 
 @dataclass(slots=True)
+class CurveComparison(Record):
+    """A training cell's losses step by step against one reference's (matrix/curves.py)."""
+
+    reference: str | None = UNSET  # "torch engine" (the same precision) or "fp32 twin"
+    reference_losses: list | None = UNSET  # the reference's losses, step by step
+    tolerance: dict | None = UNSET  # the row: atol, rtol, per_step (matrix/tolerances.py)
+    steps_compared: int | None = UNSET  # the steps both took
+    deviations: list | None = UNSET  # |loss - reference loss| per step compared
+    allowed: list | None = UNSET  # what the row allows at each step
+    first_step_outside: int | None = UNSET  # 1-based, null: every step within the row
+    worst_step: int | None = UNSET  # the step nearest its limit
+    worst_share: float | None = UNSET  # its deviation as a share of what the row allows there
+    unchecked: str | None = UNSET  # why the curve was not compared with this reference
+    reference_error: str | None = UNSET  # the reference's own failure (its signature text), instead
+
+
+@dataclass(slots=True)
+class Curve(Record):
+    """The training loss curve (the applied steps' losses) against the torch engine's and the fp32 twin's."""
+
+    steps: int | None = UNSET  # step k: the steps trained before the checkpoint
+    losses: list | None = UNSET  # the loss of each applied step (train_losses less the attempts a scaler skipped)
+    random_numbers: str | None = UNSET  # how every side drew the same dropout masks
+    torch_engine: CurveComparison | None = UNSET  # against the torch engine at the same precision
+    fp32_twin: CurveComparison | None = UNSET  # against fp32 in the torch engine
+    golden_tolerance: dict | None = UNSET  # the row a golden or an earlier run's curve is judged by
+
+
+@dataclass(slots=True)
 class LossDecrease(Record):
     """The training loss's fall, measured alike before and after training (check_training_contract)."""
 
@@ -278,6 +307,7 @@ class CellMetrics(Record):
     generated_tokens: int | None = UNSET  # tokens a causal LM generated
     generation_matches_fp32: bool | None = UNSET  # the same tokens as fp32's
     cross_engine: CrossEngine | None = UNSET  # against the torch engine
+    curve: Curve | None = UNSET  # the training loss curve against the torch engine's and the fp32 twin's
     placement_restored: list | None = UNSET  # a library's move of the model undone: after, by, ...
     loss_decrease: LossDecrease | None = UNSET  # the training loss's fall and its bound
     checkpoint_files: list | None = UNSET  # the files the checkpoint wrote
@@ -291,7 +321,19 @@ class CellMetrics(Record):
     resume: Resume | None = UNSET  # the resumed step against the same run uninterrupted
 
 
-RECORDS = (CellMetrics, KindRecord, Effective, LearningRate, Distributed, CrossEngine, LossDecrease, Tolerance, Resume)
+RECORDS = (
+    CellMetrics,
+    KindRecord,
+    Effective,
+    LearningRate,
+    Distributed,
+    CrossEngine,
+    Curve,
+    CurveComparison,
+    LossDecrease,
+    Tolerance,
+    Resume,
+)
 
 
 def field_names(record: "type[Record]" = CellMetrics) -> list[str]:

@@ -7,6 +7,8 @@ and imported with the rest of the stack and, where it ran, each cell's state. Fr
   a release that did not install or import has no states;
 - `first_changes`: per cell whose state differs between consecutive releases that ran, the
   first release of each change and the state before and after;
+- `curve_moves`: per training cell, each release whose loss curve left the row of the curve the
+  release before it trained (matrix/curves.py): the first release where a curve moved, and the step;
 - `folded`: rows precision x engine, a column per release, each entry the cells of that row
   counted by state (the models, modes and devices folded together);
 - `sweep_markdown` and `sweep_html`: the same as a page;
@@ -21,6 +23,7 @@ import html
 from collections import Counter
 from itertools import pairwise
 
+from matrix import curves
 from matrix.results.files import AXES
 
 RAN = "ran"
@@ -69,6 +72,39 @@ def first_changes(document: dict) -> list[dict]:
                     }
                 )
     return changes
+
+
+def curve_moves(document: dict) -> list[dict]:
+    """Each release whose curve of a cell left the row of the curve the previous release that ran
+    it trained (the row the cell records), in release order: where a release moved training."""
+    order = releases_ran(document)
+    by_cell: dict[str, list[tuple[str, dict]]] = {}
+    for release in document["releases"]:
+        for cell_id, cell in (release.get("cells") or {}).items():
+            if cell.get("losses") and cell.get("curve_row"):
+                by_cell.setdefault(cell_id, []).append((release["version"], cell))
+    moves = []
+    for cell_id, seen in sorted(by_cell.items()):
+        seen.sort(key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+        for (before_version, before), (version, after) in pairwise(seen):
+            if len(before["losses"]) != len(after["losses"]):
+                continue
+            row = curves.CurveTolerance.from_dict(after["curve_row"])
+            compared = curves.compare(after["losses"], before["losses"], row, curves.GOLDEN)
+            if not compared.held:
+                step = compared.first_step_outside
+                moves.append(
+                    {
+                        "cell": cell_id,
+                        "first_release": version,
+                        "last_before": before_version,
+                        "step": step,
+                        "before": before["losses"][step - 1],
+                        "after": after["losses"][step - 1],
+                        "allowed": compared.allowed[step - 1],
+                    }
+                )
+    return moves
 
 
 def _row_key(cell: dict) -> tuple[str, str]:
@@ -169,6 +205,21 @@ def sweep_markdown(document: dict) -> str:
         for (first, last, before, after), cells in grouped.items():
             shown = ", ".join(f"`{c}`" for c in cells[:6]) + (f" and {len(cells) - 6} more" if len(cells) > 6 else "")
             lines.append(f"| {first} | {last} | {before} | {after} | {len(cells)}: {shown} |")
+    moves = curve_moves(document)
+    if moves or any(c.get("losses") for r in document["releases"] for c in (r.get("cells") or {}).values()):
+        lines += ["", "## Where a loss curve moved", ""]
+        if not moves:
+            lines.append(f"No training curve left the row of the release before it across the {len(ran)} releases.")
+        else:
+            lines += [
+                "| cell | first release | last before | step | before | after | allowed |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{m['cell']}` | {m['first_release']} | {m['last_before']} | {m['step']} | {m['before']:.6g} "
+                f"| {m['after']:.6g} | {m['allowed']:.3g} |"
+                for m in moves
+            ]
     texts = signature_texts(document)
     if texts:
         lines += ["", "## Signatures", ""]
@@ -193,6 +244,13 @@ def _class(counter: Counter | None) -> str:
     failed = sum(n for state, n in counter.items() if state.startswith("failed"))
     passed = counter.get("passed", 0)
     return "bad" if failed and not passed else "mixed" if failed else "ok" if passed else "none"
+
+
+def _html_table(headers: tuple[str, ...], rows: list[tuple]) -> str:
+    """A table of `headers` over `rows` (each cell already escaped)."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def sweep_html(document: dict) -> str:
@@ -226,15 +284,29 @@ def sweep_html(document: dict) -> str:
     changes = first_changes(document)
     parts.append("<h2>Where a cell changed</h2>")
     if changes:
-        parts.append("<table><tr><th>cell</th><th>first release</th><th>last before</th><th>from</th><th>to</th></tr>")
-        parts += [
-            f"<tr><td><code>{e(c['cell'])}</code></td><td>{e(c['first_release'])}</td><td>{e(c['last_before'])}</td>"
-            f"<td>{e(c['from'])}</td><td>{e(c['to'])}</td></tr>"
+        rows = [
+            (f"<code>{e(c['cell'])}</code>", *map(e, (c["first_release"], c["last_before"], c["from"], c["to"])))
             for c in changes
         ]
-        parts.append("</table>")
+        parts.append(_html_table(("cell", "first release", "last before", "from", "to"), rows))
     else:
         parts.append(f"<p>No cell changed its state across the {len(ran)} releases that ran.</p>")
+    moves = curve_moves(document)
+    if moves:
+        rows = [
+            (
+                f"<code>{e(m['cell'])}</code>",
+                e(m["first_release"]),
+                e(m["last_before"]),
+                m["step"],
+                f"{m['before']:.6g}",
+                f"{m['after']:.6g}",
+                f"{m['allowed']:.3g}",
+            )
+            for m in moves
+        ]
+        parts.append("<h2>Where a loss curve moved</h2>")
+        parts.append(_html_table(("cell", "first release", "last before", "step", "before", "after", "allowed"), rows))
     texts = signature_texts(document)
     if texts:
         parts.append("<h2>Signatures</h2><ul>")
@@ -255,6 +327,9 @@ def brief_cell(cell: dict) -> dict:
         signature_text=signature.get("text"),
         skip_reason=cell.get("skip_reason"),
     )
+    losses, row = curves.curve_of(cell)
+    if losses:  # a training cell's curve, and the row it is judged by
+        kept.update(losses=losses, curve_row=row)
     return kept
 
 

@@ -2,7 +2,7 @@
 autocast and a GradScaler, gradient clipping, and one torch.save checkpoint holding the model,
 optimizer and scaler states. Written as such loops are written, not from the matrix's own engines.
 
-And two twins of it with the bugs teams really ship, which the matrix's checks must catch (not
+And three twins of it with the bugs teams really ship, which the matrix's checks must catch (not
 torch's own errors):
 
 user-loop-model-only   its checkpoint keeps the model only ("the optimizer state is just
@@ -10,6 +10,9 @@ user-loop-model-only   its checkpoint keeps the model only ("the optimizer state
                        class of accelerate#3971 and DeepSpeed#7786
 user-loop-cast         "mixed" precision done as a cast: the model is moved to the autocast dtype
                        (model.to(torch.bfloat16)) and trained there, no fp32 master weights
+user-loop-accumulating the gradients are never zeroed between optimizer steps: every step applies
+                       the sum of all gradients so far, the class of DeepSpeed#7837 (ZeRO-0 in
+                       bf16, 0.18.3 to 0.18.5). Nothing raises; only the loss curve shows it
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class UserLoop(Loop):
     name = "user-loop"
     description = "a team's own loop: autocast, GradScaler, gradient clipping, one torch.save checkpoint"
     Run = Run
+    max_grad_norm = MAX_GRAD_NORM  # declared, so that the reference curves clip as this loop does
 
     def derive_settings(self, precision):
         if precision.grad_dtype is not None or precision.grad_accumulation > 1 or precision.reduce_dtype is not None:
@@ -122,5 +126,17 @@ class UserLoopCast(UserLoop):
         return torch.autocast(state.device.type, enabled=False)  # the weights are half already
 
 
-for engine in (UserLoop(), UserLoopModelOnly(), UserLoopCast()):
+class UserLoopAccumulating(UserLoop):
+    name = "user-loop-accumulating"
+    description = "the user's loop that never zeroes its gradients between steps (a bug: they accumulate)"
+
+    def step(self, state, run):
+        zero_grad, run.optimizer.zero_grad = run.optimizer.zero_grad, lambda set_to_none=True: None
+        try:
+            return super().step(state, run)
+        finally:
+            run.optimizer.zero_grad = zero_grad
+
+
+for engine in (UserLoop(), UserLoopModelOnly(), UserLoopCast(), UserLoopAccumulating()):
     register(engine)

@@ -1,0 +1,192 @@
+"""Loss curves: a training cell's losses step by step, against a reference's, within a row.
+
+Every training cell records the loss of each of its first k steps (schedule.train_steps(): 3, or
+the run's --curve-steps N) and compares it, step by step, with two references trained from the
+same fresh model on the same batch, each forward drawing the same dropout masks
+(schedule.forward_seed):
+
+  the torch engine   the same precision in the hand-written torch loop: what the engine's library
+                     does to training, step after step (a gradient never zeroed shows from step 2)
+  the fp32 twin      fp32 in the torch loop: what the precision itself does to training
+
+and a run of a fixed selection compares its curves with the golden curves of its stack
+(matrix/golden/, `nox -s curves`): what a release did to training.
+
+A curve is compared step by step over the steps both sides took (a grad scaler's skipped attempts
+are steps of both). Step s (1-based) passes when |loss - reference| <= atol + rtol * |reference| +
+per_step * (s - 1): a row (matrix/tolerances.py) allows rounding at step 1 and its growth as the
+runs' weights part. The first step outside the row names the step, the two losses and what the
+row allowed.
+
+Standard library only: diff and the reports compare curves from a results.json with nothing but
+this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matrix.results.files import CELL_FIELDS
+
+# the references a curve is compared with, in the order their failures are raised
+TORCH_ENGINE = "torch engine"
+FP32_TWIN = "fp32 twin"
+GOLDEN = "golden"
+
+
+@dataclass(frozen=True)
+class CurveTolerance:
+    """What step s of a curve may differ from its reference's: atol + rtol * |reference| +
+    per_step * (s - 1)."""
+
+    atol: float
+    rtol: float
+    per_step: float
+
+    def allowed(self, step: int, reference: float) -> float:
+        return self.atol + self.rtol * abs(reference) + self.per_step * (step - 1)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"atol": self.atol, "rtol": self.rtol, "per_step": self.per_step}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CurveTolerance:
+        return cls(float(data["atol"]), float(data["rtol"]), float(data["per_step"]))
+
+
+@dataclass
+class Comparison:
+    """A curve against one reference, step by step over the steps both took."""
+
+    reference: str  # TORCH_ENGINE, FP32_TWIN or GOLDEN
+    reference_losses: list[float]
+    tolerance: CurveTolerance
+    deviations: list[float] = field(default_factory=list)  # |loss - reference| per step compared
+    allowed: list[float] = field(default_factory=list)  # what the row allows at each step
+    first_step_outside: int | None = None  # 1-based; None: every step within the row
+    worst_step: int | None = None  # the step nearest its limit (largest deviation / allowed)
+    worst_share: float | None = None  # that step's deviation as a share of what it allows
+
+    @property
+    def held(self) -> bool:
+        return self.first_step_outside is None
+
+    def outside(self, losses: list[float]) -> str:
+        """The first step outside the row, in words (details of the failure)."""
+        step = self.first_step_outside
+        value, reference = losses[step - 1], self.reference_losses[step - 1]
+        row = self.tolerance
+        return (
+            f"step {step}: {value:.6g} vs {reference:.6g}, |difference| {abs(value - reference):.3g} > allowed "
+            f"{self.allowed[step - 1]:.3g} (atol {row.atol:g} + rtol {row.rtol:g} x |reference| + "
+            f"{row.per_step:g} per step after the first)"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "reference": self.reference,
+            "reference_losses": self.reference_losses,
+            "tolerance": self.tolerance.as_dict(),
+            "steps_compared": len(self.deviations),
+            "deviations": self.deviations,
+            "allowed": self.allowed,
+            "first_step_outside": self.first_step_outside,
+            "worst_step": self.worst_step,
+            "worst_share": self.worst_share,
+        }
+
+
+def compare(losses: list[float], reference: list[float], tolerance: CurveTolerance, name: str) -> Comparison:
+    """`losses` against `reference`, step by step over the steps both took. A loss that is not
+    finite where the reference's is leaves the row at once."""
+    result = Comparison(name, list(reference), tolerance)
+    for step, (value, expected) in enumerate(zip(losses, reference, strict=False), start=1):
+        allowed = tolerance.allowed(step, expected)
+        deviation = abs(value - expected)
+        if math.isnan(deviation):
+            deviation = math.inf
+        result.deviations.append(deviation)
+        result.allowed.append(allowed)
+        share = deviation / allowed if allowed > 0 else (0.0 if deviation == 0 else math.inf)
+        if result.worst_share is None or share > result.worst_share:
+            result.worst_step, result.worst_share = step, share
+        if deviation > allowed and result.first_step_outside is None:
+            result.first_step_outside = step
+    return result
+
+
+def curve_of(cell: dict) -> tuple[list[float] | None, dict | None]:
+    """A results.json cell's curve (the applied steps' losses) and the row it is judged by."""
+    curve = (cell.get("metrics") or {}).get("curve") or {}
+    return curve.get("losses"), curve.get("golden_tolerance")
+
+
+def compare_recorded(losses: list[float], recorded: dict, name: str) -> Comparison | None:
+    """`losses` against a comparison as results.json records it (its reference's losses and row):
+    how a diff compares two runs' curves without the stack. None where it records no row."""
+    row = recorded.get("tolerance")
+    reference = recorded.get("reference_losses")
+    if not row or reference is None:
+        return None
+    return compare(losses, reference, CurveTolerance.from_dict(row), name)
+
+
+# ---------------------------------------------------------------- golden curves
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+INITIAL_WEIGHTS_DIR = GOLDEN_DIR / "initial"
+# The golden selection (`nox -s curves`): the built-in kinds that train from saved weights (no
+# quantized base), the precisions of every compute dtype but float8 (an extra), the single-process
+# engines, GOLDEN_STEPS steps: each cell's curve is data in matrix/golden/curves-<stack>.json.
+GOLDEN_STEPS = 8
+GOLDEN_SELECTION = (
+    "--model",
+    "tiny-transformer,tiny-llama,lora,gemma-cache",
+    "--precision",
+    "fp32,bf16-mixed,fp16-mixed,bf16-true",
+    "--engine",
+    "torch,accelerate,hf-trainer,lightning",
+    "--mode",
+    "train",
+    "--device",
+    "cpu",
+)
+
+
+def golden_path(stack: str, directory: Path = GOLDEN_DIR) -> Path:
+    return directory / f"curves-{stack}.json"
+
+
+def golden_document(results: dict) -> dict:
+    """A run's curves as golden curves: a slim run (its header and environment, and per training
+    cell its outcome and curve), so that `python -m matrix diff GOLDEN RUN` compares a run with
+    them (the curve-moved category, matrix/results/compare.py) as it compares two runs."""
+    cells = []
+    for cell in results["cells"]:
+        curve = (cell.get("metrics") or {}).get("curve") or {}
+        if not curve.get("losses") or not curve.get("golden_tolerance"):
+            continue
+        slim = {key: cell[key] for key in CELL_FIELDS if key != "metrics"}
+        slim.update({key: cell[key] for key in ("phase", "known_failure") if cell.get(key) is not None})
+        slim["metrics"] = {"curve": {"losses": curve["losses"], "golden_tolerance": curve["golden_tolerance"]}}
+        cells.append(slim)
+    run = {key: value for key, value in results["run"].items() if key not in ("axes", "command")}
+    if run.get("initial_weights"):  # a path on the machine that made them: named in the repository
+        run["initial_weights"] = Path(run["initial_weights"]).name
+    run["golden"] = {"format": GOLDEN_FORMAT, "made_by": "nox -s curves -- --write"}
+    kept = ("python", "platform", "cpu", "packages", "cuda_devices")
+    environment = {key: results["environment"].get(key) for key in kept}
+    environment["warnings"] = []
+    cells.sort(key=lambda c: c["id"])
+    return {"schema_version": results["schema_version"], "run": run, "environment": environment, "cells": cells}
+
+
+GOLDEN_FORMAT = 1
+
+
+def write_golden(document: dict, path: Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
