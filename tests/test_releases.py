@@ -326,6 +326,6 @@ def test_the_nightly_bisects_a_moved_curve_by_its_curve_within_what_the_budget_l
     (record,) = records
     assert record["status"] == "found" and record["signature"] == "curve-moved"
     assert compare.bisection_verdict(record).startswith(
-        "first bad: deepspeed 0.18.3 (last good: 0.18.2; curve as the old run's -> curve moved)"
+        "first moved: deepspeed 0.18.3 (last before: 0.18.2; curve as the old run's -> curve moved)"
     )
     assert json.loads((tmp_path / "curve-bisections.json").read_text()) == records

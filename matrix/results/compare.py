@@ -345,7 +345,11 @@ def bisection_verdict(record: dict) -> str:
     package, status = record["package"], record["status"]
     if status == "found":
         first, last = record["first_changed"], record["last_before"]
-        if record["direction"] == "up":
+        if record["direction"] == "up" and record["signature"] == "curve-moved":  # a move, not a breakage
+            line = (
+                f"first moved: {package} {first} (last before: {last}; {record['from_state']} -> {record['to_state']})"
+            )
+        elif record["direction"] == "up":
             line = f"first bad: {package} {first} (last good: {last}; {record['from_state']} -> {record['to_state']})"
         else:
             line = (
