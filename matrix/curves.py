@@ -124,20 +124,11 @@ def curve_of(cell: dict) -> tuple[list[float] | None, dict | None]:
     return curve.get("losses"), curve.get("golden_tolerance")
 
 
-def compare_recorded(losses: list[float], recorded: dict, name: str) -> Comparison | None:
-    """`losses` against a comparison as results.json records it (its reference's losses and row):
-    how a diff compares two runs' curves without the stack. None where it records no row."""
-    row = recorded.get("tolerance")
-    reference = recorded.get("reference_losses")
-    if not row or reference is None:
-        return None
-    return compare(losses, reference, CurveTolerance.from_dict(row), name)
-
-
 # ---------------------------------------------------------------- golden curves
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 INITIAL_WEIGHTS_DIR = GOLDEN_DIR / "initial"
+GOLDEN_FORMAT = 1  # a golden file's run.golden.format
 # The golden selection (`nox -s curves`): the built-in kinds that train from saved weights (no
 # quantized base), the precisions of every compute dtype but float8 (an extra), the single-process
 # engines, GOLDEN_STEPS steps: each cell's curve is data in matrix/golden/curves-<stack>.json.
@@ -182,9 +173,6 @@ def golden_document(results: dict) -> dict:
     environment["warnings"] = []
     cells.sort(key=lambda c: c["id"])
     return {"schema_version": results["schema_version"], "run": run, "environment": environment, "cells": cells}
-
-
-GOLDEN_FORMAT = 1
 
 
 def write_golden(document: dict, path: Path) -> None:

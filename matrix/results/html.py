@@ -20,7 +20,7 @@ import re
 from urllib.parse import quote, urlsplit
 
 from matrix.results.files import AXES, OUTCOMES, known_failure_keys
-from matrix.results.metrics import CellMetrics, Curve, CurveComparison, given
+from matrix.results.metrics import CellMetrics, Curve, CurveComparison, at_step, given, recorded_float
 from matrix.results.reach import Reach, reach
 
 UPSTREAM_REFERENCE = re.compile(r"([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#([0-9]+)")  # owner/repo#123
@@ -188,33 +188,14 @@ OUTSIDE_COLOUR = "#dc2626"
 
 
 def loss_value(value) -> float | None:
-    """A loss as results.json holds it (a number, or "nan" / "inf" / "-inf"): a finite float, else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return None
-    if isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except OverflowError:
-            return None
-        return value if math.isfinite(value) else None
-    return None
+    """A loss as results.json holds it: a finite float, else None (not drawn)."""
+    number = recorded_float(value)
+    return number if number is not None and math.isfinite(number) else None
 
 
 def loss_text(value, spec: str = ".5g") -> str:
     number = loss_value(value)
     return format(number, spec) if number is not None else str(value)
-
-
-def at_step(values, step) -> object:
-    """values[step - 1] of a per-step list, None where it has no such step."""
-    if isinstance(values, list) and isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= len(values):
-        return values[step - 1]
-    return None
 
 
 def curve_comparisons(metrics: dict) -> tuple[list, Curve | None]:

@@ -19,7 +19,9 @@ from matrix.results.metrics import (
     Effective,
     KindRecord,
     LearningRate,
+    at_step,
     given,
+    recorded_float,
 )
 from matrix.results.phase_costs import slowest_phases_markdown
 from matrix.results.reach import reach
@@ -246,28 +248,9 @@ def summary_markdown(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _number(value) -> float | None:
-    """A float as results.json writes it (a number, or "nan" / "inf" / "-inf"), None where it is none."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    if isinstance(value, (int, float)):
-        try:
-            return float(value)
-        except OverflowError:
-            return math.inf
-    return None
-
-
 def _at(values, step) -> float | None:
     """values[step - 1] of a per-step list, as a number; None where there is no such step."""
-    if isinstance(values, list) and isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= len(values):
-        return _number(values[step - 1])
-    return None
+    return recorded_float(at_step(values, step))
 
 
 def share_text(share: float) -> str:
@@ -300,7 +283,7 @@ def curve_comparisons(cells: list[dict]) -> tuple[int, list[tuple[dict, str, Cur
                 continue
             if given(comparison.reference_error):
                 failed += 1
-            elif _number(given(comparison.worst_share)) is not None:
+            elif recorded_float(given(comparison.worst_share)) is not None:
                 compared.append((cell, name, comparison))
     return recorded, compared, failed
 
@@ -318,7 +301,7 @@ def curves_markdown(cells: list[dict]) -> list[str]:
         left = sum(given(c.first_step_outside) is not None for c in against)
         counts.append(f"{len(against)} against the {name} ({left} left {'its row' if left == 1 else 'their rows'})")
     # a curve identical to its reference's, step for step, came near nothing: counted, not listed
-    deviating = [item for item in compared if _number(given(item[2].worst_share)) != 0]
+    deviating = [item for item in compared if recorded_float(given(item[2].worst_share)) != 0]
     identical = len(compared) - len(deviating)
     lines = [
         "",
@@ -340,7 +323,7 @@ def curves_markdown(cells: list[dict]) -> list[str]:
 
     def order(item: tuple[dict, str, CurveComparison]) -> tuple:
         cell, reference, comparison = item
-        share = _number(given(comparison.worst_share))
+        share = recorded_float(given(comparison.worst_share))
         share = math.inf if share is None or math.isnan(share) else share
         return (-share, given(comparison.first_step_outside) is None, cell["id"], reference)
 
@@ -357,10 +340,11 @@ def curves_markdown(cells: list[dict]) -> list[str]:
         steps = given(comparison.steps_compared)
         if steps is None and isinstance(given(comparison.deviations), list):
             steps = len(comparison.deviations)
+        share = share_text(recorded_float(comparison.worst_share))
         lines.append(
             f"| `{_md(cell['id'])}` | {_md(reference)} | {'-' if steps is None else steps} | "
             f"{'-' if worst is None else worst} | {'-' if deviation is None else format(deviation, '.3g')} | "
-            f"{'-' if allowed is None else format(allowed, '.3g')} | {share_text(_number(comparison.worst_share))} | "
+            f"{'-' if allowed is None else format(allowed, '.3g')} | {share} | "
             + (f"left the row at step {outside}" if outside is not None else "within")
             + " |"
         )

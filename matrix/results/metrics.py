@@ -49,6 +49,31 @@ JSON_TYPES = {float: ["number", "string"], int: ["integer"], bool: ["boolean"], 
 JSON_TYPES[dict] = ["object"]
 
 
+def recorded_float(value) -> float | None:
+    """A float as results.json writes it (a number, or "nan" / "inf" / "-inf"), None where the
+    value is not one (absent, a bool, another string)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:
+            return float("inf")
+    return None
+
+
+def at_step(values, step) -> object:
+    """values[step - 1] of a per-step list (a curve's losses, deviations), None where it has no such step."""
+    if isinstance(values, list) and isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= len(values):
+        return values[step - 1]
+    return None
+
+
 def _value_type(f: dataclasses.Field) -> type:
     """`X` of a field annotated `X | None`."""
     (value_type,) = [t for t in typing.get_args(f.type) if t is not types.NoneType]
