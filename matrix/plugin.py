@@ -542,9 +542,15 @@ class Recorder:
                 )
             self.run.store(record)
 
-    @pytest.hookimpl(trylast=True)
+    @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        self.run.finish(exitstatus, self.config.stash.get(restart_key, None))
+        """The report is written after every other plugin's sessionfinish, even when one of them
+        raises: pytest's own tears down the fixtures, and a Ctrl-C or SIGTERM that came during a
+        fixture's setup makes tmp_path's teardown raise KeyError there (pytest 9.2)."""
+        try:
+            return (yield)
+        finally:
+            self.run.finish(exitstatus, self.config.stash.get(restart_key, None))
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.run.written:

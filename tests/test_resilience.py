@@ -142,11 +142,26 @@ def test_sigterm_writes_the_cells_done_so_far_marked_incomplete(tmp_path):
     process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_cells(tmp_path / "term" / "cells.jsonl", 1)  # fp32 is done; bf16-true sleeps
     process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-3000:]
+    assert (tmp_path / "term" / "results.json").exists(), stderr.decode()[-3000:]
     document = results(tmp_path / "term")
     assert document["run"]["incomplete"] is True
     assert by_id(document)["fault-sleep-fp32-eval-cpu-torch"]["outcome"] == "passed"
+
+
+def test_sigterm_during_a_cells_setup_still_writes_the_cells_done_so_far(tmp_path):
+    """The signal lands while the second cell's fixtures are set up (tests/plugins/sigterm_in_setup.py),
+    where pytest's own sessionfinish then raises tearing down tmp_path: the report is still written."""
+    command = [sys.executable, "-m", "pytest", "cases", "-p", "fault_models", "-p", "sigterm_in_setup"]
+    command += ["--model", "fault-sleep", *CELLS, "--mode", "eval", "--report-dir", str(tmp_path), "--run-id", "setup"]
+    done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    assert "KeyboardInterrupt: signal SIGTERM" in done.stdout + done.stderr, done.stdout[-3000:]
+    assert (tmp_path / "setup" / "results.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    document = results(tmp_path / "setup")
+    assert document["run"]["incomplete"] is True
+    assert by_id(document)["fault-sleep-fp32-eval-cpu-torch"]["outcome"] == "passed"
+    assert "fault-sleep-bf16-true-eval-cpu-torch" not in by_id(document)
 
 
 def test_a_killed_controller_loses_only_the_running_cell(tmp_path):
