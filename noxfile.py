@@ -150,7 +150,10 @@ def liger(session: nox.Session) -> None:
     session.run("python", "-m", "matrix", "run", "cases", *cell, "--report-dir", str(Path(reports) / "liger-reports"))
 
 
-ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu", "--engine", "torch,hf-trainer", "-n", "2")
+# every causal-LM architecture through every engine (the default engines: torch, accelerate, the
+# Trainer, Lightning, DDP, FSDP2, accelerate's FSDP2, DeepSpeed ZeRO 0-3 alone and in the Trainer),
+# every precision, train and eval, on the CPU
+ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu")
 
 
 @nox.session
@@ -199,16 +202,26 @@ def compile_and_float8(session: nox.Session) -> None:
 @nox.session
 def architectures(session: nox.Session) -> None:
     """Every causal-LM architecture of the installed transformers (hf:<model_type>, built tiny
-    from its config's defaults) through every precision, train and eval, on the torch engine and
-    the Trainer, on the CPU. Writes the run under reports/architectures/ with its table
-    (compatibility.md), and docs/ARCHITECTURES.md from it. Arguments after -- go to the run
-    (e.g. --model 'hf:qwen*' for some of them; -n 0 for one process). Fails, after writing the
-    page, when a cell fails in a way the catalogue does not explain.
+    from its config's defaults) through every engine and precision, train and eval, on the CPU.
+    Writes the run under reports/architectures/ with its table (compatibility.md), and
+    docs/ARCHITECTURES.md from it. Arguments after -- go to the run (e.g. --model 'hf:qwen*' for
+    some of them, --engine torch,hf-trainer for two engines).
+
+    Sharded (`-- --shard K/N [--shard-costs PREVIOUS] --report-dir D --run-id shard-K`, as the
+    nightly-architectures workflow and docs/schedulers/ run it), the session runs that shard
+    only: the table comes from the merged shards (python -m matrix merge, then compatibility).
+    Unsharded, it fails, after writing the page, when a cell fails in a way the catalogue does
+    not explain.
     """
-    install_stack(session, "test")  # pytest-xdist
+    install_stack(session, "test", "deepspeed")  # pytest-xdist; DeepSpeed's engines
+    sharded = any(arg == "--shard" or arg.startswith("--shard=") for arg in session.posargs)
+    if sharded:
+        run = ("python", "-m", "matrix", "run", "cases", *ARCHITECTURE_SWEEP, *session.posargs)
+        session.run(*run, success_codes=[0, 1])  # 1: failed cells; the merge job's gate judges them
+        return
     reports = ROOT / "reports" / "architectures"
     session.run(
-        "python", "-m", "matrix", "run", "cases", *ARCHITECTURE_SWEEP, "--report-dir", str(reports),
+        "python", "-m", "matrix", "run", "cases", *ARCHITECTURE_SWEEP, "-n", "2", "--report-dir", str(reports),
         *session.posargs, success_codes=[0, 1],  # 1: new failures; the page is written first
     )  # fmt: skip
     page = ROOT / "docs" / "ARCHITECTURES.md"

@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--json-out", type=Path, help="also write the JSON here")
     compare.add_argument(
         "--fail-on",
-        default="new",
-        help="comma-separated categories that make the exit status 1 (default: new; 'none' never gates): "
-        "new, fixed, signature-changed, added, removed, known-started, known-stopped, skipped, drift",
+        default="new,missing",
+        help="comma-separated categories that make the exit status 1 (default: new,missing; 'none' never gates): "
+        "new, fixed, signature-changed, added, removed, missing, known-started, known-stopped, skipped, drift, "
+        "curve-moved",
     )
     compare.add_argument(
         "--drift-threshold",
@@ -389,6 +390,9 @@ def merge_runs(args) -> int:
     )
     for warning in document["environment"]["warnings"]:
         print(f"warning: {warning}")
+    if document["run"]["incomplete"]:
+        print(f"{args.output}: incomplete: {len(document['missing'])} cells missing (listed in its summary.md)")
+        return 1
     return 0
 
 
@@ -455,7 +459,7 @@ def golden_curves(args, extra: list[str]) -> int:
         if not golden.is_file():
             print(f"python -m matrix curves run: no golden curves for stack {stack} ({golden}); --write makes them")
             return 2
-        compared = main(["diff", str(golden), str(latest), "--fail-on", "curve-moved,removed"])
+        compared = main(["diff", str(golden), str(latest), "--fail-on", "curve-moved,removed,missing"])
         return compared or status
 
     if args.curves_command == "initial":

@@ -4,7 +4,7 @@ from the same table before it starts pytest, and lists them in its --help (matri
 
 An option with a check (the timeouts, --world-size, the --explore-* numbers) is checked here,
 once, with a one-line message naming it; the others are checked where they are read: the axis
-values by matrix/selection.py, --shard by matrix/shards.py, --cuda-device by matrix/devices/,
+values by matrix/selection.py, --shard and --shard-costs by matrix/shards.py, --cuda-device by matrix/devices/,
 --run-id by matrix/results/journal.py. Also here: a command line with the options' values
 joined to them (so pytest takes no value for a test path), and the -p plugin arguments a cell's
 re-run command carries. Standard library only (and matrix/cell.py's axis names).
@@ -103,10 +103,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--shard",
-        "run shard K of N of the selected cells (dealt round-robin); merge the shards' reports with "
-        "python -m matrix merge",
+        "run shard K of N of the selected cells (dealt round-robin, or balanced by --shard-costs); merge the "
+        "shards' reports with python -m matrix merge",
         metavar="K/N",
         runner_needs=True,
+    ),
+    Option(
+        "--shard-costs",
+        "with --shard: balance the shards by what each cell cost in this earlier run (a report directory or its "
+        "results.json, such as the previous night's merged report); every shard must be given the same one",
+        metavar="RUN",
     ),
     Option(
         "--run-id",

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from matrix import cell_environment, options
-from matrix.cell import AXES, Cell, cell_id_from_nodeid
+from matrix.cell import AXES, Cell, SelectionError, cell_id_from_nodeid
 from matrix.recording import RunInUse, RunRecorder, started_at
 from matrix.results.records import (
     CellRecord,
@@ -39,7 +39,7 @@ from matrix.results.records import (
 )
 from matrix.results.run_directory import reports_root
 from matrix.runner import COMMAND_VARIABLE
-from matrix.shards import parse_shard, shard_cells
+from matrix.shards import Costs, ShardPlan, parse_shard, plan
 
 RESULT_PROPERTY = "matrix_result"
 KIND_SETUP_PROPERTY = "matrix_kind_setup"
@@ -55,6 +55,8 @@ recorder_key = pytest.StashKey["Recorder"]()
 explore_clock_key = pytest.StashKey["ExploreClock"]()
 device_index_key = pytest.StashKey[int]()
 shard_key = pytest.StashKey["tuple[int, int] | None"]()
+shard_costs_key = pytest.StashKey["Costs | None"]()
+shard_plan_key = pytest.StashKey["ShardPlan"]()
 values_key = pytest.StashKey[dict]()  # the checked values of options that have a check
 restart_key = pytest.StashKey[str]()  # why this process must stop and the run resume in a new one
 deferred_error_key = pytest.StashKey[pytest.UsageError]()  # bad input found while collecting
@@ -88,6 +90,7 @@ def pytest_configure(config):
             o.dest: options.checked(o.dest, config.getoption(o.dest)) for o in options.OPTIONS if o.check
         }
         config.stash[shard_key] = parse_shard(config.getoption("matrix_shard"))
+        config.stash[shard_costs_key] = shard_costs(config)
     except ValueError as error:  # SelectionError, OptionError
         raise pytest.UsageError(str(error)) from None
     export_run_settings(config)
@@ -195,12 +198,36 @@ def cell_marks(cell: Cell, index: int) -> list:
     return [pytest.mark.cell] + ([pytest.mark.skip(reason=reason)] if reason else [])
 
 
+def shard_costs(config) -> Costs | None:
+    """--shard-costs, read (standard library only): a bad file stops the run before anything runs."""
+    path = config.getoption("matrix_shard_costs")
+    if path is None:
+        return None
+    if config.stash[shard_key] is None:
+        raise SelectionError("--shard-costs: balances shards, so it needs --shard K/N")
+    return Costs.read(Path(path))
+
+
+def shard_plan(config) -> ShardPlan | None:
+    """This run's --shard plan over the axis selection (the same in every shard): None unsharded."""
+    from matrix.selection import enumerate_cells
+
+    if config.stash[shard_key] is None:
+        return None
+    if shard_plan_key not in config.stash:
+        activate(config)
+        cells = enumerate_cells(config.stash[selection_key])
+        config.stash[shard_plan_key] = plan(cells, config.stash[shard_key][1], config.stash[shard_costs_key])
+    return config.stash[shard_plan_key]
+
+
 def selected_cells(config) -> list[Cell]:
     """The cells of the axis selection, then of this --shard."""
     from matrix.selection import enumerate_cells
 
     activate(config)
-    return shard_cells(enumerate_cells(config.stash[selection_key]), config.stash[shard_key])
+    shards = shard_plan(config)
+    return shards.of(config.stash[shard_key][0]) if shards else enumerate_cells(config.stash[selection_key])
 
 
 def pytest_generate_tests(metafunc):
@@ -456,6 +483,9 @@ class Recorder:
         self.run.start(
             self.selected, self.run_header(), lambda: environment.capture(device_index(self.config)), table()
         )
+        shards = shard_plan(self.config)
+        if shards is not None:  # every shard's cells, for merge to name those of a shard that never reported
+            shards.write(self.run.directory)
 
     def run_header(self) -> dict:
         from matrix import environment, schedule

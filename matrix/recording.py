@@ -127,6 +127,7 @@ class RunRecorder:
             self.explorations,
             self.precisions,
             kind_setups=self.kind_setups,
+            missing=[{"id": cell_id, "shard": self.header.get("shard")} for cell_id in missing],
         )
         write_documents(self.directory, document)
         point_latest(self.reports_root, self.directory)

@@ -169,7 +169,7 @@ def test_outputs_json_and_markdown_files(tmp_path):
     assert done.returncode == 1
     printed = json.loads(done.stdout)
     assert printed == json.loads((tmp_path / "d.json").read_text())
-    assert printed["gate"] == "fail" and printed["counts"]["new"] == 2 and printed["fail_on"] == ["new"]
+    assert printed["gate"] == "fail" and printed["counts"]["new"] == 2 and printed["fail_on"] == ["new", "missing"]
     assert (tmp_path / "d.md").read_text().startswith("# Matrix diff: `old` → `new`")
 
 

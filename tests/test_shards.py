@@ -1,7 +1,11 @@
-"""--shard K/N, python -m matrix merge, and --cuda-device per-worker."""
+"""--shard K/N (round-robin, or balanced by --shard-costs), python -m matrix merge, and
+--cuda-device per-worker: a selection run whole and as three shards in separate processes,
+merged, gives the same cells, outcomes, signatures and reports."""
 
+import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +20,17 @@ from matrix.devices import resolve_index
 from matrix.precisions import table
 from matrix.results.document import results_document
 from matrix.results.files import SCHEMA_FILE
+from matrix.results.html import html_report
+from matrix.results.markdown import summary_markdown
 from matrix.results.merge import MergeError, merge
 from matrix.results.records import CellRecord
-from matrix.shards import parse_shard, shard_cells
+from matrix.shards import PLAN_FILE, SPLIT_FRACTION, Costs, parse_shard, plan, shard_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a test about skipped cuda cells makes them skip, GPU or not
-# eval only: sharding and merging do not depend on the mode, and a train cell's first optimizer
-# imports torch._dynamo (1.5 s per process)
+# train and eval: the reports compared below hold the training cells' loss curves too
 SELECTION = ("--model", "tiny-transformer", "--precision", "fp32,bf16-mixed,bf16-true,fp16-true", "--engine", "torch")
-SELECTION += ("--mode", "eval")
+SHARDS = 3
 
 
 @given(st.lists(st.integers(), max_size=40, unique=True), st.integers(min_value=1, max_value=9))
@@ -44,6 +49,70 @@ def test_a_bad_shard_is_refused(text):
 
 def test_shard_parsing():
     assert parse_shard("2/3") == (2, 3) and parse_shard(None) is None and parse_shard("") is None
+
+
+def costs_of(seconds: dict[Cell, float], setups: dict[str, float] | None = None) -> Costs:
+    cells = {cell.id: (cell.axes(), cost) for cell, cost in seconds.items()}
+    return Costs(cells, dict(setups or {}), "previous")
+
+
+CELLS = st.lists(
+    st.builds(
+        Cell,
+        model=st.sampled_from(["tiny-llama", "lora", "hf:gpt2"]),
+        precision=st.sampled_from(["fp32", "bf16-mixed", "fp16-mixed"]),
+        mode=st.sampled_from(["train", "eval"]),
+        device=st.just("cpu"),
+        engine=st.sampled_from(["torch", "ddp", "deepspeed-zero3"]),
+    ),
+    unique=True,
+    max_size=40,
+)
+
+
+@given(CELLS, st.integers(min_value=1, max_value=6), st.data())
+def test_a_balanced_plan_runs_every_cell_once_in_the_selections_order(cells, n, data):
+    """Whatever the costs: each cell in exactly one shard, each shard in the selection's order,
+    the same plan every time, and (greedy, dearest unit first) no shard more than one unit past
+    the cheapest, where no unit is dearer than a quarter of a shard's share or one cell and its setup."""
+    seconds = {cell: data.draw(st.floats(min_value=0, max_value=100)) for cell in cells}
+    setups = {kind: data.draw(st.floats(min_value=0, max_value=30)) for kind in ("tiny-llama", "lora", "hf:gpt2")}
+    costs = costs_of(seconds, setups)
+    shards = plan(cells, n, costs)
+    assert sorted((c for shard in shards.shards for c in shard), key=cells.index) == cells
+    for shard in shards.shards:
+        assert list(shard) == sorted(shard, key=cells.index)
+    assert plan(cells, n, costs) == shards
+    share = (sum(seconds.values()) + sum(setups[kind] for kind in {c.model for c in cells})) / n
+    largest_unit = max([SPLIT_FRACTION * share, *(seconds[c] + setups[c.model] for c in cells)], default=0)
+    assert max(shards.predicted_s) - min(shards.predicted_s) <= largest_unit + 0.002  # rounded to ms
+
+
+def test_costs_balance_what_round_robin_deals_unevenly():
+    """Every other cell a slow one (a distributed engine's): round-robin gives them all to one
+    shard, twice the other's time; balanced by the costs, the slowest is within a quarter of the median."""
+    cells = [Cell(f"kind{k}", "fp32", "train", "cpu", e) for k in range(20) for e in ("torch", "deepspeed-zero3")]
+    seconds = {cell: 20.0 if cell.engine == "deepspeed-zero3" else 1.0 for cell in cells}
+    for n in (2, 4):
+        dealt = [sum(seconds[c] for c in shard_cells(cells, (k, n))) for k in range(1, n + 1)]
+        balanced = plan(cells, n, costs_of(seconds)).predicted_s
+        assert max(dealt) >= 1.8 * statistics.median(dealt), dealt
+        assert max(balanced) <= 1.25 * statistics.median(balanced), balanced
+
+
+def test_a_cell_the_previous_run_lacked_costs_what_its_like_cost():
+    before = {
+        Cell("tiny-llama", "fp32", "train", "cpu", "ddp"): 10.0,
+        Cell("tiny-llama", "bf16-mixed", "train", "cpu", "ddp"): 20.0,
+        Cell("tiny-llama", "fp32", "eval", "cpu", "ddp"): 2.0,
+        Cell("tiny-llama", "fp32", "train", "cpu", "torch"): 0.5,
+    }
+    cost = costs_of(before).estimator()
+    assert cost(Cell("tiny-llama", "fp32", "train", "cpu", "ddp")) == 10.0  # measured
+    assert cost(Cell("lora", "fp16-mixed", "train", "cpu", "ddp")) == 15.0  # its engine, mode and device
+    assert cost(Cell("lora", "fp16-mixed", "eval", "cuda", "ddp")) == 10.0  # its engine
+    assert cost(Cell("lora", "fp32", "eval", "cpu", "fsdp2")) == 6.0  # any cell
+    assert Costs({}).estimator()(Cell("lora", "fp32", "eval", "cpu", "fsdp2")) == 1.0
 
 
 def test_per_worker_gpu_pinning():
@@ -76,79 +145,162 @@ def merge_command(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def matrix_run(root: Path, run_id: str, *extra: str) -> None:
+    command = [sys.executable, "-m", "matrix", "run", "cases", *SELECTION, *extra]
+    done = subprocess.run(
+        [*command, "--report-dir", str(root), "--run-id", run_id],
+        cwd=ROOT,
+        env={**os.environ, **NO_GPU},  # the cuda cells skip on any machine: the merge must carry skips
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def shard_runs(tmp_path_factory):
-    """One unsharded run and its two shards, each in its own pytest process."""
+    """One unsharded run, then its three shards balanced by what its cells cost, each shard
+    `python -m matrix run` in its own process as N machines would run them."""
     root = tmp_path_factory.mktemp("shards")
-    for run_id, extra in (("whole", ()), ("one", ("--shard", "1/2")), ("two", ("--shard", "2/2"))):
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "cases",
-                *SELECTION,
-                "--report-dir",
-                str(root),
-                "--run-id",
-                run_id,
-                *extra,
-            ],
-            cwd=ROOT,
-            env={**os.environ, **NO_GPU},  # the cuda cells skip on any machine: the merge must carry skips
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    matrix_run(root, "whole")
+    for k in range(1, SHARDS + 1):
+        matrix_run(root, f"shard-{k}", "--shard", f"{k}/{SHARDS}", "--shard-costs", str(root / "whole"))
     return root
 
 
-def test_two_shards_merged_equal_one_unsharded_run(shard_runs, tmp_path):
-    one, two = results(shard_runs / "one"), results(shard_runs / "two")
-    assert (one["run"]["shard"], two["run"]["shard"]) == ("1/2", "2/2")
-    assert {c["id"] for c in one["cells"]}.isdisjoint({c["id"] for c in two["cells"]})
-    assert abs(len(one["cells"]) - len(two["cells"])) <= 1 and one["cells"] and two["cells"]
+def shard_dirs(root: Path, *ks: int) -> list[str]:
+    return [str(root / f"shard-{k}") for k in (ks or range(1, SHARDS + 1))]
 
-    done = merge_command(str(shard_runs / "one"), str(shard_runs / "two"), "-o", str(tmp_path / "merged"))
-    assert done.returncode == 0, done.stderr
+
+def rendered(document: dict) -> tuple[str, str]:
+    """index.html and summary.md with what differs between any two runs of the same cells made
+    equal: the run's id, command, times and shard bookkeeping, each cell's seconds, and the kinds'
+    one-time work (each process does its own: N shards, N of it)."""
+    document = copy.deepcopy(document)
+    run = document["run"]
+    run.update(id="run", command="python -m matrix run", started_at="", finished_at="", duration_s=0.0)
+    for key in ("merged_at", "merged_from", "shard", "workers"):
+        run.pop(key, None)
+    for cell in document["cells"]:
+        cell["duration_s"] = 0.0
+        cell["phase_seconds"] = {phase: 0.0 for phase in cell.get("phase_seconds") or {}}
+    document["kind_setups"] = []
+    return html_report(document), summary_markdown(document)
+
+
+def test_shards_merged_equal_one_unsharded_run(shard_runs, tmp_path):
+    shards = [results(Path(d)) for d in shard_dirs(shard_runs)]
+    assert [s["run"]["shard"] for s in shards] == [f"{k}/{SHARDS}" for k in range(1, SHARDS + 1)]
+    ids = [{c["id"] for c in s["cells"]} for s in shards]
+    assert all(ids) and sum(map(len, ids)) == len(set().union(*ids)), "every shard runs cells, none twice"
+    plans = [json.loads((Path(d) / PLAN_FILE).read_text()) for d in shard_dirs(shard_runs)]
+    assert all(p == plans[0] for p in plans) and plans[0]["costs_from"] == "whole"
+    assert [set(cells) for cells in plans[0]["cells"]] == ids
+
+    done = merge_command(*shard_dirs(shard_runs), "-o", str(tmp_path / "merged"))
+    assert done.returncode == 0, done.stdout + done.stderr
     merged, whole = results(tmp_path / "merged"), results(shard_runs / "whole")
     assert comparable(merged) == comparable(whole)
-    assert len(whole["cells"]) == 8 and whole["counts"]["passed"] > 0 and whole["counts"]["skipped"] > 0
-    assert [m["shard"] for m in merged["run"]["merged_from"]] == ["1/2", "2/2"]
-    assert merged["run"]["incomplete"] is False and merged["run"]["selection"] == whole["run"]["selection"]
-    for name in ("summary.md", "junit.xml", "index.html"):
-        assert (tmp_path / "merged" / name).stat().st_size > 0
+    assert len(whole["cells"]) == 16 and whole["counts"]["passed"] > 0 and whole["counts"]["skipped"] > 0
+    assert any(c["metrics"].get("curve") for c in whole["cells"]), "training cells' curves are compared too"
+    assert [m["shard"] for m in merged["run"]["merged_from"]] == [f"{k}/{SHARDS}" for k in range(1, SHARDS + 1)]
+    assert merged["run"]["incomplete"] is False and merged["missing"] == []
+    assert merged["run"]["selection"] == whole["run"]["selection"]
+    html, markdown = rendered(merged)
+    assert (html, markdown) == rendered(whole)
+    assert "tiny-transformer-bf16-true-train-cpu-torch" in markdown and "<svg" in html
 
 
-def test_a_missing_shard_makes_the_merge_incomplete(shard_runs, tmp_path):
-    done = merge_command(str(shard_runs / "one"), "-o", str(tmp_path / "half"))
-    assert done.returncode == 0, done.stderr
-    assert "warning: shards 2/2 are missing" in done.stdout
-    assert results(tmp_path / "half")["run"]["incomplete"] is True
+def test_a_missing_shard_is_missing_in_the_merge_and_fails_the_gate(shard_runs, tmp_path):
+    done = merge_command(*shard_dirs(shard_runs, 1, 3), "-o", str(tmp_path / "partial"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"warning: shards 2/{SHARDS} are missing" in done.stdout
+    merged = results(tmp_path / "partial")
+    planned = json.loads((shard_runs / "shard-2" / PLAN_FILE).read_text())["cells"][1]
+    assert merged["run"]["incomplete"] is True
+    assert merged["missing"] == [{"id": i, "shard": f"2/{SHARDS}"} for i in sorted(planned)]
+    assert not {c["id"] for c in merged["cells"]} & set(planned), "a missing cell is never a passed one"
+    summary = (tmp_path / "partial" / "summary.md").read_text()
+    assert "## Missing: selected, never reported" in summary and f"shard 2/{SHARDS}" in summary
+    assert all(f"`{i}`" in summary for i in planned)
+    assert f"{len(planned)} selected cells never reported" in (tmp_path / "partial" / "index.html").read_text()
+    gate = subprocess.run(
+        [sys.executable, "-m", "matrix", "diff", str(shard_runs / "whole"), str(tmp_path / "partial")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert gate.returncode == 1, gate.stdout + gate.stderr
+    assert f"Gate: FAIL** ({len(planned)} missing)" in gate.stdout
+
+
+def test_a_shard_that_died_lists_the_cells_it_never_reached(shard_runs, tmp_path):
+    """A shard that ended early (killed, timed out: its journal folded by python -m matrix fold)
+    reports part of its plan: the merge lists the rest of it as missing, under that shard."""
+    k = max(range(1, SHARDS + 1), key=lambda k: len(results(shard_runs / f"shard-{k}")["cells"]))
+    died = tmp_path / f"shard-{k}"
+    died.mkdir()
+    (died / PLAN_FILE).write_text((shard_runs / f"shard-{k}" / PLAN_FILE).read_text())
+    document = results(shard_runs / f"shard-{k}")
+    kept, lost = document["cells"][:1], document["cells"][1:]
+    document.update(cells=kept, run={**document["run"], "id": "died", "incomplete": True})
+    (died / "results.json").write_text(json.dumps(document))
+    others = [Path(d) for d in shard_dirs(shard_runs) if Path(d).name != died.name]
+    merged = merge([died, *others])
+    assert lost and {m["id"] for m in merged["missing"]} == {c["id"] for c in lost}
+    assert {m["shard"] for m in merged["missing"]} == {f"{k}/{SHARDS}"}
+
+
+def test_shards_planned_differently_are_not_merged(shard_runs, tmp_path):
+    other = tmp_path / "shard-2"
+    other.mkdir()
+    (other / "results.json").write_text((shard_runs / "shard-2" / "results.json").read_text())
+    replanned = json.loads((shard_runs / "shard-2" / PLAN_FILE).read_text())
+    replanned["cells"] = replanned["cells"][::-1]
+    (other / PLAN_FILE).write_text(json.dumps(replanned))
+    with pytest.raises(MergeError, match="plan different shards"):
+        merge([shard_runs / "shard-1", other, shard_runs / "shard-3"])
+
+
+def test_shard_costs_need_a_shard_and_a_readable_run(tmp_path):
+    for extra, message in (
+        (("--shard-costs", str(tmp_path)), "--shard-costs: balances shards, so it needs --shard K/N"),
+        (("--shard", "1/2", "--shard-costs", str(tmp_path)), "--shard-costs: " + str(tmp_path)),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "cases", *SELECTION, "--no-report", *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 4 and message in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def test_merge_refuses_different_stacks_unless_asked(shard_runs, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
-    document = results(shard_runs / "two")
+    document = results(shard_runs / "shard-2")
     document["environment"]["packages"]["transformers"] = "4.50.0"
     (other / "results.json").write_text(json.dumps(document))
-    done = merge_command(str(shard_runs / "one"), str(other), "-o", str(tmp_path / "mixed"))
+    done = merge_command(str(shard_runs / "shard-1"), str(other), "-o", str(tmp_path / "mixed"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "different stacks: transformers" in done.stderr and "4.50.0" in done.stderr
     assert not (tmp_path / "mixed").exists()
-    allowed = merge_command(str(shard_runs / "one"), str(other), "-o", str(tmp_path / "mixed"), "--allow-mixed-stacks")
-    assert allowed.returncode == 0, allowed.stderr
+    mixed = ("-o", str(tmp_path / "mixed"), "--allow-mixed-stacks")
+    allowed = merge_command(str(shard_runs / "shard-1"), str(other), *mixed)
+    assert allowed.returncode == 1, allowed.stderr  # written, but shard 3 is missing
 
 
 def test_merge_refuses_overlap_and_an_existing_output(shard_runs, tmp_path):
-    overlap = merge_command(str(shard_runs / "whole"), str(shard_runs / "one"), "-o", str(tmp_path / "x"))
+    overlap = merge_command(str(shard_runs / "whole"), str(shard_runs / "shard-1"), "-o", str(tmp_path / "x"))
     assert overlap.returncode == 2 and "Traceback" not in overlap.stderr
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial-*"))
     (tmp_path / "exists").mkdir()
     (tmp_path / "exists" / "keep.txt").write_text("mine")
-    done = merge_command(str(shard_runs / "one"), str(shard_runs / "two"), "-o", str(tmp_path / "exists"))
+    done = merge_command(*shard_dirs(shard_runs), "-o", str(tmp_path / "exists"))
     assert done.returncode == 2 and "exists" in done.stderr
     assert [p.name for p in (tmp_path / "exists").iterdir()] == ["keep.txt"]
 
@@ -187,6 +339,7 @@ def test_each_cell_records_where_it_ran_and_how_to_rerun_it(shard_runs):
         if cell["device"] == "cpu":
             assert (cell["cuda_index"], cell["device_name"]) == (None, document["environment"]["cpu"])
     assert document["run"]["shard"] is None and document["run"]["cuda_device"] == "0"
+    assert not (shard_runs / "whole" / PLAN_FILE).exists(), "an unsharded run has no plan"
 
 
 def test_a_run_id_in_use_is_refused_before_anything_runs(shard_runs):

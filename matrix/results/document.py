@@ -38,9 +38,12 @@ def results_document(
     explorations: list[dict],
     precisions: dict,
     kind_setups: list[dict] = (),
+    missing: list[dict] = (),
 ) -> dict:
     """The whole run; `precisions` is the table the cells ran with (matrix/precisions.py table());
-    `kind_setups`: each kind's one-time work, per process (matrix/kind_setup.py)."""
+    `kind_setups`: each kind's one-time work, per process (matrix/kind_setup.py); `missing`: the
+    cells selected (by this run or, merged, by its shards' plan) that never reported, each with
+    the shard that was to run it."""
     records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))
     return {
         "schema_version": SCHEMA_VERSION,
@@ -53,4 +56,5 @@ def results_document(
         "known_failures": known_failure_index(records),
         "explorations": list(explorations),
         "kind_setups": sorted(kind_setups, key=lambda s: (s["kind"], s["training"], s["pid"])),
+        "missing": sorted(missing, key=lambda m: m["id"]),
     }

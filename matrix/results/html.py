@@ -444,7 +444,16 @@ def header(document: dict, shown: Reach) -> str:
     )
     badges = "".join(f'<span class="{outcome_class(o)}">{esc(counts.get(o, 0))} {label}</span>' for o, label in labels)
     banners = "".join(f'<p class="warning">warning: {esc(w)}</p>' for w in env.get("warnings") or [])
-    if run.get("incomplete"):
+    missing = document.get("missing") or []
+    if missing:
+        shards = sorted({m["shard"] or "unsharded" for m in missing})
+        ids = ", ".join(f"<code>{esc(m['id'])}</code>" for m in missing)
+        banners = (
+            f'<div class="warning incomplete" id="missing">incomplete run: {len(missing)} selected cells never '
+            f"reported ({esc(', '.join(shards))}): missing, neither passed nor failed"
+            f"<details><summary>cells</summary>{ids}</details></div>" + banners
+        )
+    elif run.get("incomplete"):
         banners = '<p class="warning incomplete">incomplete run: not every selected cell reported</p>' + banners
     return (
         f"<header><h1>Mixed-precision matrix: run <code>{esc(run.get('id'))}</code></h1>{banners}"

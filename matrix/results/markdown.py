@@ -134,8 +134,14 @@ def summary_markdown(document: dict) -> str:
     if run.get("stack"):
         lines.append(f"- version stack: `{run['stack']}`")
     lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
+    missing = document.get("missing") or []
     if run.get("incomplete"):
-        lines.append("- **incomplete run:** not every selected cell reported")
+        lines.append(
+            f"- **incomplete run:** {len(missing)} selected cells never reported "
+            "([missing](#missing-selected-never-reported))"
+            if missing
+            else "- **incomplete run:** not every selected cell reported"
+        )
     if any(c["model"].startswith("hf:") for c in cells):
         lines.append("- transformers architectures (hf: kinds): their table is in [compatibility.md](compatibility.md)")
 
@@ -155,6 +161,13 @@ def summary_markdown(document: dict) -> str:
         for sig_id, group in by_signature.items():
             lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
             lines += folded_traceback(group[0].get("traceback"))
+
+    if missing:
+        lines += ["", "## Missing: selected, never reported", ""]
+        lines += [f"{len(missing)} cells: neither passed nor failed, their shard or process ended before them.", ""]
+        for shard, group in grouped(missing, lambda m: m["shard"] or "unsharded").items():
+            where = f"shard {shard}" if shard != "unsharded" else "this run"
+            lines += folded_cells(f"- {where}: {_cells(len(group))}", group)
 
     lines += not_run_markdown(shown)
     lines += kind_setups_markdown(document.get("kind_setups") or [])

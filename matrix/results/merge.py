@@ -1,11 +1,15 @@
 """One run from several shard reports: python -m matrix merge A B ... -o DIR.
 
-Shards come from `pytest cases --shard K/N` on N machines. Merging refuses inputs that ran
-different stacks (package versions, version stack name, project commit) unless asked, since one
-grid should answer one question. A cell id present in two inputs is an error: shards are
-disjoint. When one device axis value ran on different hardware in different inputs (cuda on an
-H100 here and on an A100 there), the cells keep their hardware apart: the device becomes
-`cuda-h100-80gb-hbm3` and `cuda-a100-sxm4-40gb`, so each gets its own column in the grids.
+Shards come from `pytest cases --shard K/N` on N machines. Each writes the plan all of them
+share (matrix/shards.py); the cells it gives a shard that did not report them (a shard that
+died, timed out, or never uploaded) are listed under `missing`, and the run is incomplete.
+
+Merging refuses inputs that ran different stacks (package versions, version stack name,
+project commit) unless asked, since one grid should answer one question. A cell id present in
+two inputs is an error: shards are disjoint. When one device axis value ran on different
+hardware in different inputs (cuda on an H100 here and on an A100 there), the cells keep their
+hardware apart: the device becomes `cuda-h100-80gb-hbm3` and `cuda-a100-sxm4-40gb`, so each
+gets its own column in the grids.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from matrix.results import journal
 from matrix.results.document import results_document
 from matrix.results.files import AXES, load
 from matrix.results.run_directory import write_new_directory
-from matrix.shards import parse_shard
+from matrix.shards import PLAN_FILE, parse_shard, read_plan
 
 
 class MergeError(ValueError):
@@ -80,7 +84,8 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
                 raise MergeError(
                     f"different stacks: {'; '.join(differing)} (one grid per stack; --allow-mixed-stacks merges anyway)"
                 )
-    warnings = shard_warnings(inputs)
+    planned = shard_plan(inputs)
+    warnings = shard_warnings(inputs, planned)
 
     hardware: dict[str, set[str]] = {}
     for document, _ in inputs:
@@ -90,6 +95,20 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
     split = {device for device, names in hardware.items() if len(names) > 1}
 
     records: dict[str, tuple[dict, Path]] = {}
+    reported = {cell["id"] for document, _ in inputs for cell in document["cells"]}
+    missing = {entry["id"]: entry for document, _ in inputs for entry in document.get("missing", [])}
+    for k, cell_ids in enumerate(planned["cells"] if planned else [], start=1):
+        missing.update({cell_id: {"id": cell_id, "shard": f"{k}/{planned['shards']}"} for cell_id in cell_ids})
+    missing = [entry for cell_id, entry in missing.items() if cell_id not in reported]
+    if missing:
+        by_shard: dict[str, int] = {}
+        for entry in missing:
+            by_shard[entry["shard"] or "unsharded"] = by_shard.get(entry["shard"] or "unsharded", 0) + 1
+        warnings.append(
+            f"{len(missing)} planned cells never reported ("
+            + ", ".join(f"shard {shard}: {count}" for shard, count in sorted(by_shard.items()))
+            + "): they are listed as missing"
+        )
     for document, file in inputs:
         for cell in document["cells"]:
             # the fields an older schema's cells lack (4: placement and rerun, 5: traceback)
@@ -141,10 +160,12 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
         explorations,
         first.get("precisions") or {},
         kind_setups=kind_setups,
+        missing=missing,
     )
 
 
-def shard_warnings(inputs) -> list[str]:
+def shard_warnings(inputs, planned: dict | None = None) -> list[str]:
+    """Shards of the split that no input is; one the plan gave no cell is not missing."""
     shards = [document["run"].get("shard") for document, _ in inputs]
     if not any(shards):
         return []
@@ -161,9 +182,24 @@ def shard_warnings(inputs) -> list[str]:
         raise MergeError(f"run.shard: shards of different splits ({', '.join(sorted(shards))}) cannot be merged")
     total = totals.pop()
     missing = sorted(set(range(1, total + 1)) - {k for k, _ in parsed})
+    if planned and planned["shards"] == total:
+        missing = [k for k in missing if planned["cells"][k - 1]]
     if not missing:
         return []
     return [f"shards {', '.join(f'{k}/{total}' for k in missing)} are missing: this run is incomplete"]
+
+
+def shard_plan(inputs) -> dict | None:
+    """The plan the shards ran by (shard-plan.json beside each shard's results.json): every shard
+    computes the same one, so two that differ ran different selections or costs."""
+    plans = [(plan, file) for plan, file in ((read_plan(file.parent), file) for _, file in inputs) if plan]
+    for plan, file in plans[1:]:
+        if (plan["shards"], plan["cells"]) != (plans[0][0]["shards"], plans[0][0]["cells"]):
+            raise MergeError(
+                f"{file.parent / PLAN_FILE} and {plans[0][1].parent / PLAN_FILE} plan different shards: give every "
+                "shard the same selection and the same --shard-costs"
+            )
+    return plans[0][0] if plans else None
 
 
 def merged_from_entry(document: dict, file: Path) -> dict:
