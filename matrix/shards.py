@@ -6,7 +6,8 @@ before's merged results.json) they are balanced by what they cost then, so the s
 ends near the others rather than at twice the median:
 
 - a cell costs its recorded duration_s; a cell the previous run did not have costs the median
-  of the cells it did have that share its engine, mode and device (then engine, then any);
+  of the cells it did have that share its engine, precision, mode and device (then its engine,
+  mode and device; its engine; any);
 - each model kind's one-time work (kind_setups) is paid once per process that runs its cells,
   so a kind's cells stay together where they can: the unit dealt is a kind's cells, split into
   its engines' cells, then single cells, only while a unit is over a quarter of a shard's
@@ -54,7 +55,10 @@ class Costs:
     @classmethod
     def of(cls, document: dict) -> Costs:
         cells = {
-            c["id"]: ({axis: c[axis] for axis in ("model", "engine", "mode", "device")}, float(c["duration_s"] or 0))
+            c["id"]: (
+                {axis: c[axis] for axis in ("model", "precision", "engine", "mode", "device")},
+                float(c["duration_s"] or 0),
+            )
             for c in document["cells"]
         }
         setups: dict[str, list[float]] = {}
@@ -74,20 +78,30 @@ class Costs:
         return cls.of(document)
 
     def estimator(self):
-        """cell -> seconds: recorded, else the median of its like (engine, mode, device; engine; any)."""
+        """cell -> seconds: recorded, else the median of its like: the cells of other kinds with its
+        engine, precision, mode and device (the precision decides whether it runs or skips here:
+        a median over both would price a running cell at a skipped one's nothing), then its
+        engine, mode and device, then its engine, then any."""
+
+        def keys(axes: dict) -> tuple[tuple, ...]:
+            engine, mode, device = axes["engine"], axes["mode"], axes["device"]
+            return (
+                ("epmd", engine, axes["precision"], mode, device),
+                ("emd", engine, mode, device),
+                ("e", engine),
+                ("*",),
+            )
+
         groups: dict[tuple, list[float]] = {}
         for axes, seconds in self.cells.values():
-            for key in (("emd", axes["engine"], axes["mode"], axes["device"]), ("e", axes["engine"]), ("*",)):
+            for key in keys(axes):
                 groups.setdefault(key, []).append(seconds)
         medians = {key: statistics.median(values) for key, values in groups.items()}
 
         def cost(cell: Cell) -> float:
             if cell.id in self.cells:
                 return self.cells[cell.id][1]
-            for key in (("emd", cell.engine, cell.mode, cell.device), ("e", cell.engine), ("*",)):
-                if key in medians:
-                    return medians[key]
-            return UNKNOWN_COST_S
+            return next((medians[key] for key in keys(cell.axes()) if key in medians), UNKNOWN_COST_S)
 
         return cost
 

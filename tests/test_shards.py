@@ -109,6 +109,7 @@ def test_a_cell_the_previous_run_lacked_costs_what_its_like_cost():
     }
     cost = costs_of(before).estimator()
     assert cost(Cell("tiny-llama", "fp32", "train", "cpu", "ddp")) == 10.0  # measured
+    assert cost(Cell("lora", "bf16-mixed", "train", "cpu", "ddp")) == 20.0  # its engine, precision, mode, device
     assert cost(Cell("lora", "fp16-mixed", "train", "cpu", "ddp")) == 15.0  # its engine, mode and device
     assert cost(Cell("lora", "fp16-mixed", "eval", "cuda", "ddp")) == 10.0  # its engine
     assert cost(Cell("lora", "fp32", "eval", "cpu", "fsdp2")) == 6.0  # any cell
