@@ -235,6 +235,16 @@ def test_a_missing_shard_is_missing_in_the_merge_and_fails_the_gate(shard_runs, 
     )
     assert gate.returncode == 1, gate.stdout + gate.stderr
     assert f"Gate: FAIL** ({len(planned)} missing)" in gate.stdout
+    runs = (str(shard_runs / "whole"), str(tmp_path / "partial"))
+    as_json = subprocess.run(
+        [sys.executable, "-m", "matrix", "diff", *runs, "--format", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    counts = json.loads(as_json.stdout)["counts"]
+    assert (counts["missing"], counts["removed"], counts["new"]) == (len(planned), 0, 0), "missing, not removed"
 
 
 def test_a_shard_that_died_lists_the_cells_it_never_reached(shard_runs, tmp_path):
