@@ -36,7 +36,7 @@ def python_first(tmp_path: Path) -> str:
 
 
 def run_bash(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PATH": python_first(tmp_path) if "PATH" not in env else env.pop("PATH"), **env}
+    environment = {**os.environ, "PATH": python_first(tmp_path), **env}
     environment.pop("PYTEST_ADDOPTS", None)
     return subprocess.run(
         ["bash", "-c", script], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600
@@ -49,6 +49,18 @@ def merged_cells(reports: Path) -> dict:
     return {cell["id"]: cell["outcome"] for cell in document["cells"]}
 
 
+def slurm_task(script: str, tmp_path: Path, reports: Path, task: int, count: int) -> subprocess.CompletedProcess:
+    """One array task as Slurm runs it: SLURM_ARRAY_TASK_ID of SLURM_ARRAY_TASK_COUNT."""
+    return run_bash(
+        script,
+        tmp_path,
+        REPORTS=str(reports),
+        MATRIX_ARGS=SELECTION,
+        SLURM_ARRAY_TASK_ID=str(task),
+        SLURM_ARRAY_TASK_COUNT=str(count),
+    )
+
+
 def sbatch_options(script: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.MULTILINE))
 
@@ -59,20 +71,12 @@ def test_the_slurm_array_runs_every_shard_and_the_merge_holds_every_cell(tmp_pat
     first, last = map(int, sbatch_options(shard_script)["array"].split("-"))
     assert first == 1 and last >= 2, "task ids 1..N are the shards 1/N..N/N"
     assert "merge.sbatch" in shard_script and "--dependency=afterany" in shard_script
-    reports, path = tmp_path / "reports", python_first(tmp_path)
+    reports = tmp_path / "reports"
     for task in range(first, last + 1):
-        done = run_bash(
-            shard_script,
-            tmp_path,
-            PATH=path,
-            REPORTS=str(reports),
-            MATRIX_ARGS=SELECTION,
-            SLURM_ARRAY_TASK_ID=str(task),
-            SLURM_ARRAY_TASK_COUNT=str(last),
-        )
+        done = slurm_task(shard_script, tmp_path, reports, task, last)
         assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]
         assert json.loads((reports / f"shard-{task}" / "results.json").read_text())["run"]["shard"] == f"{task}/{last}"
-    done = run_bash(merge_script, tmp_path, PATH=path, REPORTS=str(reports))
+    done = run_bash(merge_script, tmp_path, REPORTS=str(reports))
     assert done.returncode == 0, done.stdout + done.stderr
     cells = merged_cells(reports)
     assert len(cells) == 4 and set(cells.values()) <= {"passed", "known"}
@@ -80,19 +84,11 @@ def test_the_slurm_array_runs_every_shard_and_the_merge_holds_every_cell(tmp_pat
 
 def test_a_slurm_task_that_never_ran_is_missing_in_the_merge(tmp_path):
     shard_script = (RECIPES / "shard.sbatch").read_text()
-    reports, path = tmp_path / "reports", python_first(tmp_path)
+    reports = tmp_path / "reports"
     last = int(sbatch_options(shard_script)["array"].split("-")[1])
-    done = run_bash(
-        shard_script,
-        tmp_path,
-        PATH=path,
-        REPORTS=str(reports),
-        MATRIX_ARGS=SELECTION,
-        SLURM_ARRAY_TASK_ID="1",
-        SLURM_ARRAY_TASK_COUNT=str(last),
-    )
+    done = slurm_task(shard_script, tmp_path, reports, 1, last)
     assert done.returncode in (0, 1), done.stderr[-2000:]
-    merge = run_bash((RECIPES / "merge.sbatch").read_text(), tmp_path, PATH=path, REPORTS=str(reports))
+    merge = run_bash((RECIPES / "merge.sbatch").read_text(), tmp_path, REPORTS=str(reports))
     assert merge.returncode == 1, "cells missing: the merge job fails"
     document = json.loads((reports / "merged" / "results.json").read_text())
     assert len(document["missing"]) == 3 and {m["shard"] for m in document["missing"]} == {
@@ -116,18 +112,17 @@ def test_the_indexed_job_runs_every_shard_and_the_merge_job_holds_every_cell(tmp
     assert spec["parallelism"] <= spec["completions"]
     mounts = {m["mountPath"] for m in job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert env["REPORTS"] in mounts, "the shards write where every pod (and the merge) sees it"
-    reports, path = tmp_path / "reports", python_first(tmp_path)
+    reports = tmp_path / "reports"
     for index in range(spec["completions"]):
         done = run_bash(
             script,
             tmp_path,
-            PATH=path,
             **{**env, "REPORTS": str(reports), "MATRIX_ARGS": SELECTION, "JOB_COMPLETION_INDEX": str(index)},
         )
         assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]
     merge_script, merge_env = job_script(merge_job)
     assert merge_env["REPORTS"] == env["REPORTS"]
-    done = run_bash(merge_script, tmp_path, PATH=path, REPORTS=str(reports))
+    done = run_bash(merge_script, tmp_path, REPORTS=str(reports))
     assert done.returncode == 0, done.stdout + done.stderr
     cells = merged_cells(reports)
     assert len(cells) == 4 and set(cells.values()) <= {"passed", "known"}

@@ -140,10 +140,13 @@ def comparable(document: dict) -> dict:
     }
 
 
+def matrix_command(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "matrix", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 def merge_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "matrix", "merge", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    return matrix_command("merge", *args)
 
 
 def matrix_run(root: Path, run_id: str, *extra: str) -> None:
@@ -213,6 +216,32 @@ def test_shards_merged_equal_one_unsharded_run(shard_runs, tmp_path):
     assert "tiny-transformer-bf16-true-train-cpu-torch" in markdown and "<svg" in html
 
 
+USERS = ("-p", "user_gpt2", "-p", "user_loop", "--model", "user-gpt2", "--engine", "user-loop,user-loop-model-only")
+USERS += ("--precision", "fp32,bf16-mixed", "--device", "cpu")
+
+
+def test_a_users_model_and_loops_sharded_give_the_unsharded_answer(tmp_path):
+    """The plan, the costs and the merge hold for a model and loops written as users write them
+    (tests/plugins/user_gpt2.py, user_loop.py), failures and their signatures included."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "plugins"), str(ROOT)])}
+    env.pop("PYTEST_ADDOPTS", None)
+
+    def run(run_id: str, *extra: str) -> None:
+        command = [sys.executable, "-m", "matrix", "run", "cases", *USERS, *extra, "--report-dir", str(tmp_path)]
+        done = subprocess.run([*command, "--run-id", run_id], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+
+    run("whole")
+    for k in (1, 2):
+        run(f"shard-{k}", "--shard", f"{k}/2", "--shard-costs", str(tmp_path / "whole"))
+    done = merge_command(str(tmp_path / "shard-1"), str(tmp_path / "shard-2"), "-o", str(tmp_path / "merged"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    whole, merged = results(tmp_path / "whole"), results(tmp_path / "merged")
+    assert comparable(merged) == comparable(whole) and len(whole["cells"]) == 8
+    assert whole["counts"]["failed"] > 0, "the model-only loop's lost optimizer state fails, in both"
+    assert rendered(merged) == rendered(whole)
+
+
 def test_a_missing_shard_is_missing_in_the_merge_and_fails_the_gate(shard_runs, tmp_path):
     done = merge_command(*shard_dirs(shard_runs, 1, 3), "-o", str(tmp_path / "partial"))
     assert done.returncode == 1, done.stdout + done.stderr
@@ -226,23 +255,11 @@ def test_a_missing_shard_is_missing_in_the_merge_and_fails_the_gate(shard_runs, 
     assert "## Missing: selected, never reported" in summary and f"shard 2/{SHARDS}" in summary
     assert all(f"`{i}`" in summary for i in planned)
     assert f"{len(planned)} selected cells never reported" in (tmp_path / "partial" / "index.html").read_text()
-    gate = subprocess.run(
-        [sys.executable, "-m", "matrix", "diff", str(shard_runs / "whole"), str(tmp_path / "partial")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    runs = (str(shard_runs / "whole"), str(tmp_path / "partial"))
+    gate = matrix_command("diff", *runs)
     assert gate.returncode == 1, gate.stdout + gate.stderr
     assert f"Gate: FAIL** ({len(planned)} missing)" in gate.stdout
-    runs = (str(shard_runs / "whole"), str(tmp_path / "partial"))
-    as_json = subprocess.run(
-        [sys.executable, "-m", "matrix", "diff", *runs, "--format", "json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    as_json = matrix_command("diff", *runs, "--format", "json")
     counts = json.loads(as_json.stdout)["counts"]
     assert (counts["missing"], counts["removed"], counts["new"]) == (len(planned), 0, 0), "missing, not removed"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 from matrix.cell import Cell, SelectionError
@@ -101,9 +102,7 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
         missing.update({cell_id: {"id": cell_id, "shard": f"{k}/{planned['shards']}"} for cell_id in cell_ids})
     missing = [entry for cell_id, entry in missing.items() if cell_id not in reported]
     if missing:
-        by_shard: dict[str, int] = {}
-        for entry in missing:
-            by_shard[entry["shard"] or "unsharded"] = by_shard.get(entry["shard"] or "unsharded", 0) + 1
+        by_shard = Counter(entry["shard"] or "unsharded" for entry in missing)
         warnings.append(
             f"{len(missing)} planned cells never reported ("
             + ", ".join(f"shard {shard}: {count}" for shard, count in sorted(by_shard.items()))
