@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -34,9 +35,8 @@ except version_stacks.StackError as error:  # one line naming the file and field
 TORCH_REQUIREMENT = os.environ.get("MATRIX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
 
-
-# in every environment nox makes: bitsandbytes for the quantized precisions (small, and a CPU build)
-DEFAULT_EXTRAS = ("quantized",)
+# in every environment nox makes, and in a sweep's or bisection's scratch environment (matrix/stacks.py)
+DEFAULT_EXTRAS = version_stacks.DEFAULT_EXTRAS
 
 
 # pip compiles every module it installs (torch's and transformers' thousands), about half of
@@ -47,12 +47,11 @@ NO_COMPILE = ("--no-compile",)
 
 def install_stack(session: nox.Session, *extras: str, stack: str = "default") -> None:
     pins = list(STACKS[stack].pins)
-    extras = (*DEFAULT_EXTRAS, *extras)
     if session.venv_backend == "none":
         session.log("--no-venv: using the current environment as it is, installing nothing")
     else:
         torch_args = [TORCH_REQUIREMENT] + (["--index-url", TORCH_INDEX_URL] if TORCH_INDEX_URL else [])
-        project = ".[" + ",".join(extras) + "]" if extras else "."
+        project = version_stacks.project_requirement(".", extras)  # DEFAULT_EXTRAS and these
         key = hashlib.sha256(
             "\n".join([(ROOT / "pyproject.toml").read_text(), *torch_args, project, *pins]).encode()
         ).hexdigest()
@@ -66,10 +65,8 @@ def install_stack(session: nox.Session, *extras: str, stack: str = "default") ->
                 session.install(*NO_COMPILE, *pins)  # the stack's pins win over the project's ranges
             stamp.write_text(key)
     session.env["MATRIX_STACK"] = stack  # recorded in every report
-    if session.venv_backend != "none":
-        # ops compiled on first use (DeepSpeed's CPU ops) are cached by name only: each environment
-        # keeps its own, or one stack's release loads another's build (matrix/bisect.py run_environment)
-        session.env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(session.virtualenv.location) / "torch-extensions"))
+    # ops compiled on first use (DeepSpeed's CPU ops): the matrix's cells build them in a directory of
+    # the environment's, keyed by the torch and DeepSpeed releases (matrix/extension_builds.py)
     # Python's own default: cache bytecode, pytest's rewritten modules included. With
     # PYTHONDONTWRITEBYTECODE set (as on some CI images), every pytest and python -m matrix
     # process the tests start compiled the package and rewrote its modules again.
@@ -133,7 +130,30 @@ def stack(session: nox.Session, name: str) -> None:
         probe = "import torch; print(torch.cuda.is_available())"
         if "True" not in (session.run("python", "-c", probe, silent=True) or ""):
             session.skip(f"Requires: [CUDA device] (stack {name} needs a GPU; torch here sees none)")
-    session.run("python", "-m", "matrix", "run", "cases", *chosen.select, *session.posargs)
+    posargs = list(session.posargs)
+    run_id = _option(posargs, "--run-id")
+    if run_id is None:
+        run_id = f"stack-{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        posargs += ["--run-id", run_id]
+    session.run("python", "-m", "matrix", "run", "cases", *chosen.select, *posargs)  # new failures: it fails here
+    results = Path(_option(posargs, "--report-dir") or ROOT / "reports") / run_id / "results.json"
+    if results.is_file():  # a stack whose selected cells all skipped decides nothing: it fails too
+        from matrix.results.sweep_table import run_nothing_ran
+
+        empty = run_nothing_ran(json.loads(results.read_text()), f"stack {name}")
+        if empty:
+            session.error(empty)
+
+
+def _option(arguments: list[str], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` among pytest arguments, the last one given."""
+    found = None
+    for index, argument in enumerate(arguments):
+        if argument == name and index + 1 < len(arguments):
+            found = arguments[index + 1]
+        elif argument.startswith(name + "="):
+            found = argument.split("=", 1)[1]
+    return found
 
 
 @nox.session
@@ -166,7 +186,8 @@ def deepspeed(session: nox.Session) -> None:
     cell cost per engine): the whole DeepSpeed CPU grid is nox -s "stack(name='deepspeed')"; an
     older release: nox -s "stack(name='deepspeed-0.18')"."""
     install_stack(session, "test", "deepspeed", stack="deepspeed")
-    session.run("python", "-m", "pytest", "tests/test_deepspeed.py", "--durations=10", *session.posargs)
+    deepspeed_tests = ("tests/test_deepspeed.py", "tests/test_deepspeed_probe.py")
+    session.run("python", "-m", "pytest", *deepspeed_tests, "--durations=10", *session.posargs)
 
 
 # The compiled twins of the engines (DeepSpeed's run in its stacks), and the float8 precisions (issue 37).

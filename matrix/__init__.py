@@ -40,6 +40,8 @@ Where things live (one home each):
   kind_traits.py   - what is established once per kind: traits, learning rate, the fp32 twin's fall
   kind_setup.py    - a kind's one-time work before its first cell (observation, learning rate, the
                      bf16 check), under its own budget, --kind-setup-timeout
+  extension_builds.py - ops a library compiles on first use (DeepSpeed's CPU op): built once before
+                     its engine's first cell, in a directory the run owns; a killed build's lock
   schedule.py      - the steps every training cell runs, and the seeds of its random numbers
   group.py         - the processes a cell runs in: one, or the ranks of a process group
   rank_pool.py, rank_worker.py - the run's group of ranks the distributed engines use
@@ -52,7 +54,9 @@ Where things live (one home each):
   execute.py       - running a cell and classifying its record (no pytest)
   signatures.py    - failure signature: phase, exception type, normalized message, origin
   catalogue.py     - the known-failure catalogue: loading, selectors, classification (known, failed,
-                     fixed)
+                     fixed, inapplicable)
+  conditions.py    - the named conditions a catalogue entry is in force under (`when`): the hardware
+                     (what decides a kernel), the run's settings, what the cell observed
   known_failures.toml - the built-in catalogue's entries (users' files add to them)
   packages.py      - the packages the matrix knows by name: their versions, whether one is
                      installed, and the one line (how to install it) a kind, engine or precision
@@ -65,10 +69,14 @@ Where things live (one home each):
   options.py       - the matrix's command-line options, one table for the plugin and
                      python -m matrix run
   cell_environment.py - the environment variables the cells run under, set only while they run
+  global_state.py  - the process-global state a cell can change (fp32 matmul precisions, TF32, default
+                     dtype, environment, ...): read before each cell and after each phase, put back
+                     after it, and named as the cell's leaked_state
   plugin.py        - the pytest plugin (entry point pytest11: matrix): hooks and fixtures; no
                      torch until the matrix is used
   pytest_cases.py  - the matrix's two tests, test_cell and test_explore
   runner.py        - python -m matrix run: the crash- and hang-surviving supervisor
+  internal_errors.py - the pytest plugin runner.py loads into pytest: an internal error's traceback kept
   strategies.py, explore.py - hypothesis exploration of the variants the grid does not run
   repro.py         - python -m matrix repro: a standalone script that reproduces one cell
   bisect.py        - python -m matrix bisect: the release of a package that changed one cell

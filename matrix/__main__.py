@@ -14,7 +14,10 @@
   curves initial|write   golden loss curves: their saved initial weights, a run's curves as golden
                          (matrix/curves.py); `diff GOLDEN RUN` compares a run with them
 
-Exit status 2 means bad input, with one line saying which file and field."""
+Exit status 2 means bad input, with one line saying which file and field. Exit status 4 (sweep,
+releases, bisect) means the selected cells did not run with some release (they skipped, or no run
+came back): the command decides nothing about it, and says where and why (matrix/bisect.py
+NOTHING_RAN_STATUS)."""
 
 from __future__ import annotations
 
@@ -81,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --last: count releases, or minor lines (the newest patch of each)",
     )
     sweep.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to sweep on")
+    sweep.add_argument(
+        "--in-this-environment",
+        action="store_true",
+        help="install the releases into the interpreter running the sweep, as it is (no scratch environment, the "
+        "stack's pins not installed), putting the package back after: for a machine that already has the stack",
+    )
     sweep.add_argument("--report-dir", default=None, help="default: reports/ here")
     published = commands.add_parser(
         "releases", help="the published compatibility table: the sweeps of matrix/releases.toml, then the page"
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "releases":
         return publish_releases(args)
 
-    from matrix.bisect import BisectError
+    from matrix.bisect import NOTHING_RAN_STATUS, BisectError, NothingRan
     from matrix.bisect import bisect as run_bisect
 
     try:
@@ -215,18 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         run_bisect(args.package, args.good, args.bad, args.cell, args.stack, reports_root(args.report_dir), extra)
     except BisectError as error:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
-        return 2
+        return NOTHING_RAN_STATUS if isinstance(error, NothingRan) else 2
     return 0
 
 
 def sweep_releases(args, selection: list[str]) -> int:
-    from matrix.bisect import BisectError
+    from matrix.bisect import NOTHING_RAN_STATUS, BisectError
     from matrix.results.run_directory import reports_root
+    from matrix.results.sweep_table import nothing_ran
     from matrix.sweep import chosen_versions, sweep
 
     try:
         versions = chosen_versions(args.versions) if args.versions else None
-        _, directory = sweep(
+        document, directory = sweep(
             args.package,
             versions=versions,
             last=args.last,
@@ -235,11 +245,17 @@ def sweep_releases(args, selection: list[str]) -> int:
             stack_name=args.stack,
             selection=selection,
             reports_root=reports_root(args.report_dir),
+            in_this_environment=args.in_this_environment,
         )
     except BisectError as error:  # SweepError included: bad input, or a scratch environment that cannot be built
         print(f"python -m matrix sweep: {error}", file=sys.stderr)
         return 2
     print(f"written: {directory / 'sweep.md'}, {directory / 'sweep.html'}, {directory / 'sweep.json'}")
+    empty = nothing_ran(document)
+    if empty:
+        versions = ", ".join(entry["version"] for entry in empty)
+        print(f"python -m matrix sweep: nothing ran in {versions}: no verdict there (see the page)", file=sys.stderr)
+        return NOTHING_RAN_STATUS
     return 0
 
 
@@ -274,6 +290,13 @@ def publish_releases(args) -> int:
         return 2
     args.output.write_text(releases_page(documents, "nox -s releases"))
     print(f"written: {args.output}")
+    from matrix.bisect import NOTHING_RAN_STATUS
+    from matrix.results.sweep_table import nothing_ran
+
+    empty = [f"{d['package']} {e['version']}" for d in documents for e in nothing_ran(d)]
+    if empty:
+        print(f"python -m matrix releases: nothing ran in {', '.join(empty)}: no verdict there", file=sys.stderr)
+        return NOTHING_RAN_STATUS
     return 0
 
 

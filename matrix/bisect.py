@@ -8,7 +8,9 @@ The candidates are the package's releases between the two versions as pip's inde
 the stack's pins) and reused; each candidate is installed into it and the one cell is run in a
 fresh pytest process. The state of a version is the cell's raw result: passed, or failed with
 its signature id (catalogue classification is ignored); or, bisecting a loss curve that moved
-(CurveJudge), whether the cell's curve is within the old run's row. The search finds the first version,
+(CurveJudge), whether the cell's curve is within the old run's row. A cell that skips with a
+release, or does not run, decides nothing: the bisection stops with NothingRan (exit status 4),
+naming the release and the reason. The search finds the first version,
 in version order, whose state differs from the older end's: the release that broke the cell,
 or the one that fixed it. Every version tried is recorded as evidence in bisect.json.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -40,6 +43,14 @@ class BisectError(ValueError):
     """Bad input or an impossible bisection: one line for the user, exit status 2."""
 
 
+NOTHING_RAN_STATUS = 4  # python -m matrix sweep, releases and bisect: the selected cells did not run
+
+
+class NothingRan(BisectError):
+    """The selected cell(s) did not run with a release (they skipped, or no run came back): the
+    bisection or sweep decides nothing about it. One line saying where and why; exit status 4."""
+
+
 @dataclass
 class Trial:
     version: str
@@ -53,7 +64,7 @@ def outcome_state(record: dict) -> tuple[str, str | None]:
     signature = record["signature"]
     if record["outcome"] in ("failed", "known"):
         return f"failed {signature['id']}", signature["text"]
-    if record["outcome"] in ("passed", "fixed"):
+    if record["outcome"] in ("passed", "fixed", "inapplicable"):
         return "passed", None
     return f"error: {record['outcome']} ({record.get('skip_reason')})", None
 
@@ -134,6 +145,9 @@ def first_change(versions: list[str], state_of) -> tuple[str, str, str]:
     return versions[hi], start, state_of(versions[hi])
 
 
+NOTHING_RAN = "nothing ran:"  # a Trial's state where the cell did not run
+
+
 class ScratchEnvironment:
     """A venv with torch, the project and a stack's pins, reused across bisections."""
 
@@ -142,25 +156,24 @@ class ScratchEnvironment:
         self.path = SCRATCH / stack.name
         self.python = self.path / "bin" / "python"
         self.torch_requirement = torch_requirement
+        self.lock_path = SCRATCH / f"{stack.name}.lock"
+        self.scratch = True  # built here, pruned by sweeps; CurrentEnvironment is neither
 
     def pip(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.python), "-m", "pip", *args], capture_output=True, text=True)
 
     def run_environment(self, package: str, version: str) -> dict[str, str]:
-        """The environment variables a run of one release gets: the stack's name, and a directory
-        of torch extensions of its own. A package that compiles its ops on first use (DeepSpeed's
-        CPU ops) finds them by name only, so one release would load another's build from the
-        shared cache: DeepSpeed 0.19.8 loading 0.18's `deepspeed_shm_comm` fails on an attribute
-        the old build lacks."""
-        extensions = self.path / "torch-extensions" / f"{package}-{version}"
-        return {**os.environ, "MATRIX_STACK": self.stack.name, "TORCH_EXTENSIONS_DIR": str(extensions)}
+        """The environment variables a run of one release gets: the stack's name. (A package that
+        compiles its ops on first use, DeepSpeed's CPU ops, builds them in a directory of the
+        environment's keyed by its release: matrix/extension_builds.py.)"""
+        return {**os.environ, "MATRIX_STACK": self.stack.name}
 
     @contextlib.contextmanager
     def held(self, log=print):
         """The environment for one bisection at a time: two bisections of the same stack would
         install their candidates into one venv under each other's cells. A second one waits."""
-        SCRATCH.mkdir(parents=True, exist_ok=True)
-        with open(SCRATCH / f"{self.stack.name}.lock", "w") as lock:
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -173,11 +186,12 @@ class ScratchEnvironment:
 
     def ensure(self) -> None:
         stamp = self.path / ".bisect-stack"
-        key = json.dumps([self.torch_requirement, *self.stack.pins, (ROOT / "pyproject.toml").read_text()])
+        project = version_stacks.project_requirement(ROOT)  # the default extras, as nox's environments have
+        key = json.dumps([self.torch_requirement, project, *self.stack.pins, (ROOT / "pyproject.toml").read_text()])
         if stamp.exists() and stamp.read_text() == key:
             return
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(self.path)], check=True)
-        for args in ([self.torch_requirement], ["-e", str(ROOT)], list(self.stack.pins)):
+        for args in ([self.torch_requirement], ["-e", project], list(self.stack.pins)):
             if args:
                 done = self.pip("install", "-q", *args)
                 if done.returncode:
@@ -235,11 +249,17 @@ class ScratchEnvironment:
                 *extra,
             ]
             env = self.run_environment(package, version)
-            subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
             results = sorted(Path(reports).glob("*/results.json"))
-            if not results:
-                return Trial(version, "error: the cell did not run", None, time.perf_counter() - start)
-            (record,) = [c for c in json.loads(results[-1].read_text())["cells"] if c["id"] == cell]
+            records = [c for c in json.loads(results[-1].read_text())["cells"] if c["id"] == cell] if results else []
+        if not records:
+            said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+            last = said[-1].strip() if said else f"pytest exit status {done.returncode}"
+            return Trial(version, f"{NOTHING_RAN} the cell did not run ({last})", None, time.perf_counter() - start)
+        (record,) = records
+        if record["outcome"] == "skipped":
+            state = f"{NOTHING_RAN} the cell skipped: {record.get('skip_reason')}"
+            return Trial(version, state, None, time.perf_counter() - start)
         state, text = judge(record)
         return Trial(version, state, text, time.perf_counter() - start)
 
@@ -286,6 +306,9 @@ def _bisect_in(
                 raise BisectError(f"the time budget ran out before {package}=={version} (tried {tried})")
             trials[version] = env.run_cell(package, version, cell, extra, judge)
             log(f"  {package}=={version}: {trials[version].state}")
+        if trials[version].state.startswith(NOTHING_RAN):
+            why = trials[version].state.removeprefix(NOTHING_RAN).strip()
+            raise NothingRan(f"nothing ran in {package}=={version}: {why}; the bisection decides nothing")
         if trials[version].state.startswith("error"):
             raise BisectError(f"{package}=={version}: {trials[version].state}")
         return trials[version].state
@@ -316,3 +339,28 @@ def _bisect_in(
     )
     log(f"written: {directory / 'bisect.json'}")
     return result
+
+
+class CurrentEnvironment(ScratchEnvironment):
+    """The interpreter running the command, used as it is (as nox's --no-venv is): nothing is
+    built and the stack's pins are not installed; each release is installed into it and the
+    package put back to the version it had when the command started. For a machine that already
+    has the stack (a GPU CI image), and for a sweep of the release already installed (a no-op)."""
+
+    def __init__(self, stack: version_stacks.Stack) -> None:
+        super().__init__(stack, "torch (as installed)")
+        self.python = Path(sys.executable)
+        self.path = Path(sys.prefix)
+        key = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:12]
+        self.lock_path = SCRATCH / f"current-{key}.lock"
+        self.scratch = False
+        self._baseline: dict[str, str] | None = None
+
+    def ensure(self) -> None:
+        self.baseline()
+
+    def baseline(self) -> dict[str, str]:
+        if self._baseline is None:
+            done = self.pip("list", "--format=json")
+            self._baseline = {p["name"].lower(): p["version"] for p in json.loads(done.stdout or "[]")}
+        return self._baseline

@@ -7,11 +7,19 @@ classes apply to a user's kinds too. --no-builtin-catalogue starts from no entri
 that shows every failure as if unannounced).
 
 An entry is in force for a cell when the installed versions satisfy its specifiers, one of its
-selectors matches the cell and, for an entry that says `min_curve_steps = N` (a failure that only a
-loss curve of N steps or more shows, matrix/curves.py), the run's curve is that long. Then:
-  known  - the cell failed and its signature text matches the entry's pattern;
-  failed - the cell failed and no entry in force matches (a new failure);
-  fixed  - the cell passed although an entry in force says it fails (narrow the entry).
+selectors matches the cell (its axes, its model kind's traits, its engine's traits) and every
+condition its `when` names holds (matrix/conditions.py: the hardware, the run's settings, and,
+once the cell ran, what the cell observed). Then:
+  known        - the cell failed and its signature text matches the entry's pattern;
+  failed       - the cell failed and no entry in force matches (a new failure);
+  fixed        - the cell passed although an entry in force says it fails (narrow the entry), but
+                 for an entry that says `may_pass = true` (its mechanism, which a cell condition
+                 probes, shows as a deviation whose size the model decides: a cell it claims may
+                 stay within the check's tolerance and pass);
+  inapplicable - the cell passed, and an entry selects it whose hardware condition does not hold
+                 on this machine (the bug's path is not taken here) and whose cell conditions the
+                 cell's metrics do not refute: not applicable here, neither fixed nor a failure.
+`min_curve_steps = N`, the older spelling, is `when = ["curve-steps-at-least-N"]`.
 """
 
 from __future__ import annotations
@@ -28,12 +36,16 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from matrix import conditions
+from matrix.conditions import Context, Requirement
+from matrix.engines.traits import ENGINE_TRAITS
 from matrix.models import MODELS
 from matrix.selection import Cell, axis_values, model_traits, trait_names
 
 CATALOGUE_FILE = Path(__file__).with_name("known_failures.toml")
 KINDS = ("bug", "intended")
 TRAIT_KEY = "trait"  # a selector key beside the axes: {trait = ["full-weights"]} (models/base.py TRAITS)
+ENGINE_TRAIT_KEY = "engine_trait"  # {engine_trait = ["casts-parameters"]} (engines/traits.py ENGINE_TRAITS)
 EXCEPT_PREFIX = "not_"  # {not_engine = ["deepspeed-zero1"]}: any value of the axis but those
 
 
@@ -52,7 +64,12 @@ class Entry:
     versions: dict[str, SpecifierSet]
     workaround: str
     notes: str = ""
-    min_curve_steps: int = 0  # in force only in a run whose training cells train this many steps or more
+    when: tuple[Requirement, ...] = ()  # conditions that must all hold (matrix/conditions.py)
+    may_pass: bool = False  # a claimed cell that passes is passed, not fixed (a deviation's size varies)
+
+    def unmet(self, context: Context, reads: str) -> list[Requirement]:
+        """The entry's conditions reading `reads` ("hardware", "run", "cell") that do not hold."""
+        return conditions.unmet(self.when, context, reads)
 
     @property
     def link(self) -> str:
@@ -69,6 +86,7 @@ class Entry:
         # an engine's compiled twin is that engine too: what an entry says of the engine holds for
         # the twin, unless it names the twin itself (engine = ["torch-compile"])
         axes["engine"] |= {twin} if (twin := eager_twin_of(cell.engine)) else set()
+        axes[ENGINE_TRAIT_KEY] = set(engine_traits_of(cell.engine))
         for selector in self.selectors:
             named = {axis: values for axis, values in selector.items() if axis != TRAIT_KEY}
             if not all(
@@ -96,6 +114,21 @@ class Entry:
         return bool(self.signature.search(signature_text))
 
 
+def engine_traits_of(engine: str) -> frozenset[str]:
+    """The traits an engine declares (engines/traits.py); none for an engine not registered here."""
+    from matrix.engines import ENGINES
+
+    return getattr(ENGINES.get(engine), "traits", frozenset())
+
+
+def local_context() -> Context:
+    """This machine's hardware facts and this run's settings, as conditions read them."""
+    from matrix.devices import hardware_facts
+    from matrix.schedule import train_steps
+
+    return Context(hardware=hardware_facts(), run={"train_steps": train_steps()})
+
+
 def eager_twin_of(engine: str) -> str | None:
     """The engine a compiled twin compiles (matrix/compiling.py); None for any other engine."""
     from matrix.engines import ENGINES
@@ -107,25 +140,59 @@ def eager_twin_of(engine: str) -> str | None:
 class Catalogue:
     entries: list[Entry] = field(default_factory=list)
 
-    def in_force(self, cell: Cell, installed: dict[str, str | None]) -> list[Entry]:
-        from matrix.schedule import train_steps
-
-        steps = train_steps()
+    def in_force(self, cell: Cell, installed: dict[str, str | None], context: Context | None = None) -> list[Entry]:
+        """The entries that claim the cell before it runs: selected, versions met, and every
+        hardware and run condition holding (a cell condition is decided by classify())."""
+        context = local_context() if context is None else context
         return [
-            e for e in self.entries if e.min_curve_steps <= steps and e.selects(cell) and e.versions_hold(installed)
+            e
+            for e in self.entries
+            if not e.unmet(context, "run")
+            and not e.unmet(context, "hardware")
+            and e.selects(cell)
+            and e.versions_hold(installed)
+        ]
+
+    def inapplicable(self, cell: Cell, installed: dict[str, str | None], context: Context | None = None) -> list[Entry]:
+        """The entries that would claim the cell but for a hardware condition that does not hold here."""
+        context = local_context() if context is None else context
+        return [
+            e
+            for e in self.entries
+            if e.unmet(context, "hardware")
+            and not e.unmet(context, "run")
+            and e.selects(cell)
+            and e.versions_hold(installed)
         ]
 
     def by_id(self, entry_id: str) -> Entry:
         return next(e for e in self.entries if e.id == entry_id)
 
 
-def classify(outcome: str, signature_text: str | None, entries_in_force: list[Entry]) -> tuple[str, Entry | None]:
-    """(outcome, entry): passed/failed become known, failed (new) or fixed."""
+def classify(
+    outcome: str,
+    signature_text: str | None,
+    entries_in_force: list[Entry],
+    metrics: dict | None = None,
+    inapplicable: list[Entry] = (),
+) -> tuple[str, Entry | None]:
+    """(outcome, entry): passed/failed become known, failed (new), fixed or inapplicable.
+    `metrics`: the cell's metrics as results.json writes them, which the entries' cell
+    conditions read (None: not known, they are taken to hold); `inapplicable`: the entries
+    whose hardware condition does not hold here (Catalogue.inapplicable)."""
+    observed = Context(metrics=metrics)
+    claiming = [e for e in entries_in_force if not e.unmet(observed, "cell")]
     if outcome == "failed":
-        entry = next((e for e in entries_in_force if e.matches(signature_text or "")), None)
+        entry = next((e for e in claiming if e.matches(signature_text or "")), None)
         return ("known", entry) if entry else ("failed", None)
-    if outcome == "passed" and entries_in_force:
-        return "fixed", entries_in_force[0]
+    if outcome == "passed":
+        expected = [e for e in claiming if not e.may_pass]
+        if expected:
+            return "fixed", expected[0]
+        # an entry whose cell condition this cell's metrics refute would not claim it on any hardware
+        elsewhere = [e for e in inapplicable if not e.unmet(observed, "cell")]
+        if elsewhere:
+            return "inapplicable", elsewhere[0]
     return outcome, None
 
 
@@ -134,7 +201,7 @@ def _fail(path: Path, where: str, problem: str) -> CatalogueError:
 
 
 def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...]] | None = None) -> Catalogue:
-    axes = {**(axes or axis_values()), TRAIT_KEY: trait_names()}
+    axes = {**(axes or axis_values()), TRAIT_KEY: trait_names(), ENGINE_TRAIT_KEY: tuple(ENGINE_TRAITS)}
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -161,6 +228,20 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
         steps = raw.get("min_curve_steps", 0)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise _fail(path, where, "field 'min_curve_steps' must be a whole number of training steps")
+        when_names = raw.get("when", [])
+        if not isinstance(when_names, list) or not all(isinstance(n, str) for n in when_names):
+            raise _fail(path, where, "field 'when' must be a list of condition names (matrix/conditions.py)")
+        if steps:  # the older spelling of a run condition
+            when_names = [*when_names, f"curve-steps-at-least-{steps}"]
+        try:
+            when = tuple(Requirement.parse(name) for name in when_names)
+        except conditions.UnknownCondition as error:
+            raise _fail(path, where, f"field 'when': {error.args[0]}") from None
+        may_pass = raw.get("may_pass", False)
+        if not isinstance(may_pass, bool):
+            raise _fail(path, where, "field 'may_pass' must be true or false")
+        if may_pass and not any(r.reads == "cell" for r in when):
+            raise _fail(path, where, "field 'may_pass' needs a cell condition in 'when' that probes the mechanism")
         if raw["id"] in seen:
             raise _fail(path, where, "duplicate id")
         seen.add(raw["id"])
@@ -180,7 +261,7 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
                 excluded = axis.removeprefix(EXCEPT_PREFIX)  # not_engine = [...]: any engine but those
                 if axis not in axes and not (
                     axis.startswith(EXCEPT_PREFIX) and excluded in axes and excluded != TRAIT_KEY
-                ):
+                ):  # not_trait would ask every kind's traits; not_engine_trait asks the engine only
                     raise _fail(path, where, f"cells[{s_index}] names unknown axis {axis!r}")
                 values = [values] if isinstance(values, str) else values
                 if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
@@ -208,7 +289,8 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
                 versions=versions,
                 workaround=raw["workaround"],
                 notes=raw.get("notes", ""),
-                min_curve_steps=steps,
+                when=when,
+                may_pass=may_pass,
             )
         )
     return Catalogue(entries)

@@ -1,7 +1,9 @@
 """The environment variables the matrix's cells run under: the Hub offline (every model is built
 from a config in code, so an accidental download fails loudly instead) and without progress
-bars, and, where no GPU is visible, Triton's interpreter for Liger's kernels on CPU tensors
-(matrix/devices/cuda.py interpreter_variables).
+bars; where no GPU is visible, Triton's interpreter for Liger's kernels on CPU tensors
+(matrix/devices/cuda.py interpreter_variables); and TORCH_EXTENSIONS_DIR, a directory the run
+owns for the ops a library compiles on first use, keyed by the torch and DeepSpeed releases
+(matrix/extension_builds.py), instead of the one per user that every environment shares.
 
 They are the matrix's business only. The pytest plugin is loaded in every pytest session of an
 environment that has the package, and a project's own tests may download from the Hub or
@@ -22,9 +24,10 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 def variables() -> dict[str, str]:
     """Every variable a cell runs under, with its value (asks torch whether a GPU is visible)."""
+    from matrix import extension_builds
     from matrix.devices.cuda import interpreter_variables
 
-    return {**OFFLINE, **interpreter_variables()}
+    return {**OFFLINE, **interpreter_variables(), **extension_builds.variables()}
 
 
 def apply() -> dict[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from matrix.devices import DEVICES
+from matrix.devices import DEVICES, hardware_facts
 from matrix.devices.cpu import cpu_name
 from matrix.packages import installed_versions
 
@@ -32,14 +32,17 @@ def git_state(root: Path) -> dict:
 
 
 def capture(device_index: int) -> dict:
-    """The machine, the packages, and what each registered device records of itself
-    (matrix/devices/: cuda adds its GPUs, driver and CUDA_* variables)."""
+    """The machine, what decides its kernels (`hardware`: the CPU capability torch dispatches on,
+    the CPU's features, what bitsandbytes detects, the GPUs' compute capability; the facts the
+    catalogue's hardware conditions read), the packages, and what each registered device records
+    of itself (matrix/devices/: cuda adds its GPUs, driver and CUDA_* variables)."""
     found = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
+        "hardware": hardware_facts(device_index),
         "packages": package_versions(),
     }
     warnings = []

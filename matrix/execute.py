@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def run_cell(
     variant: Variant | None = None,
     timeout_s: float | None = None,
     blocked: BaseException | None = None,
+    after_phase: Callable[[str], None] | None = None,
 ) -> CellResult:
     """Run a cell's phases. A precision policy that contradicts itself fails in the
     `configure` phase before any step runs, unless run_contradictory, which runs it anyway to
@@ -84,7 +86,8 @@ def run_cell(
     an engine that waits on other processes gives up at DEADLINE_SHARE of it, so that it, not
     the harness's kill, records which process did not answer. `blocked`: what stops the cell before
     it starts (its kind's one-time work ran out of its budget, matrix/kind_setup.py), recorded as
-    the failure of the `kind_setup` phase."""
+    the failure of the `kind_setup` phase. `after_phase(name)` is called after each phase, and after
+    `configure` (a watch over the process-global state, matrix/global_state.py)."""
     settle_garbage()  # before anything of the cell exists
     kind = MODELS[cell.model] if variant is None else MODELS[cell.model].with_variant(variant)
     precision = PRECISIONS[cell.precision]
@@ -127,6 +130,8 @@ def run_cell(
         _record_failure(result, "configure", exc)
         return result
     run_phase = distributed.run_phase if engine.distributed else pipeline.run_phase
+    after_phase = after_phase or (lambda name: None)
+    after_phase("configure")
     try:
         for name in names:
             began = time.perf_counter()
@@ -143,6 +148,7 @@ def run_cell(
                 break
             finally:
                 result.phase_seconds[name] = round(time.perf_counter() - began, 4)
+                after_phase(name)
             result.phases[name] = "passed"
     finally:
         _end(state)
@@ -181,6 +187,15 @@ class RecordedCell:
         return self.record.outcome
 
 
+def hardware_not_holding(entry: Entry, outcome: str) -> list[str] | None:
+    """An inapplicable cell's entry: its hardware conditions that do not hold on this machine."""
+    if outcome != "inapplicable":
+        return None
+    from matrix.catalogue import local_context
+
+    return [str(requirement) for requirement in entry.unmet(local_context(), "hardware")]
+
+
 def run_and_record(
     cell: Cell,
     workdir: Path,
@@ -193,17 +208,29 @@ def run_and_record(
     timeout_s: float | None = None,
     claims: list[Entry] | None = None,
     blocked: BaseException | None = None,
+    after_phase: Callable[[str], None] | None = None,
 ) -> RecordedCell:
     """Run the cell and make its record: passed, or failed as a catalogue entry in force says
-    (known), or failed as none says (failed: new), or passed against an entry's claim (fixed).
+    (known), or failed as none says (failed: new), or passed against an entry's claim (fixed), or
+    passed where an entry's hardware condition does not hold here (inapplicable).
     `claims`: the entries in force for the cell, where the caller has asked already."""
     if claims is None:
         claims = catalogue.in_force(cell, installed)
     result = run_cell(
-        cell, workdir, device_index, run_contradictory=run_contradictory, timeout_s=timeout_s, blocked=blocked
+        cell,
+        workdir,
+        device_index,
+        run_contradictory=run_contradictory,
+        timeout_s=timeout_s,
+        blocked=blocked,
+        after_phase=after_phase,
     )
     signature = result.signature
-    outcome, entry = classify(result.outcome, signature.text if signature else None, claims)
+    # an entry whose hardware condition does not hold here: a pass it selects is not applicable here
+    inapplicable = catalogue.inapplicable(cell, installed) if result.outcome == "passed" else []
+    outcome, entry = classify(
+        result.outcome, signature.text if signature else None, claims, result.metrics.as_dict(), inapplicable
+    )
     record = CellRecord.of(
         cell,
         outcome,
@@ -212,7 +239,7 @@ def run_and_record(
         signature=signature.as_dict() if signature else None,
         message=result.message,
         traceback=result.traceback,
-        known_failure=known_failure_record(entry) if entry else None,
+        known_failure=known_failure_record(entry, not_holding=hardware_not_holding(entry, outcome)) if entry else None,
         duration_s=result.duration_s,
         phase_seconds=result.phase_seconds,
         metrics=result.metrics,

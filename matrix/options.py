@@ -115,6 +115,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="RUN",
     ),
     Option(
+        "--order-seed",
+        "run the selected cells (of this --shard) in an order shuffled by seed K, recorded in the report: a cell "
+        "whose verdict depends on the cells before it in its process shows up as a flip between seeds (default: "
+        "the selection's order)",
+        metavar="K",
+        check=natural,
+        runner_needs=True,
+    ),
+    Option(
         "--run-id",
         "name of this run's report directory (default: UTC time + random suffix); it must not exist",
         metavar="ID",

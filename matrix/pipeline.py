@@ -32,6 +32,7 @@ import torch
 
 from matrix import checks, curves, declared_dtypes, initial_weights, resume, schedule
 from matrix.cell_state import CellState, Saved
+from matrix.engines.base import evaluation_result
 from matrix.float8 import sqnr_db
 from matrix.kind_traits import fp32_twin_fall, kind_learning_rate, kind_record
 from matrix.measurements import (
@@ -169,7 +170,7 @@ def train_steps(state: CellState) -> None:
 
 
 def mid_training_eval(state: CellState) -> None:
-    state.evaluation = state.engine.evaluate(state, state.run)
+    state.evaluation = evaluation_result(state.engine.evaluate(state, state.run), state.engine.evaluate)
     check_against_fp32(state, state.evaluation, "mid-training eval", state.engine.weights(state, state.run))
     check_against_eager(state, state.evaluation)
 
@@ -179,7 +180,7 @@ def evaluate(state: CellState) -> None:
     state.run = run = engine.start(state, build(state), training=False)
     check_float8_converted(state, run)
     engine.check_declared(state, run, "after prepare")
-    state.evaluation = result = engine.evaluate(state, run)
+    state.evaluation = result = evaluation_result(engine.evaluate(state, run), engine.evaluate)
     if state.compile_watch is not None:
         state.compile_watch.check_compiled("the evaluation")
     check_against_fp32(state, result, "eval", engine.weights(state, run))
@@ -190,12 +191,14 @@ def evaluate(state: CellState) -> None:
 def checkpoint_save(state: CellState) -> None:
     engine, run = state.engine, state.run
     # the run as it is saved, measured before the save (a library's save may change what it holds)
-    outputs = (state.evaluation or engine.evaluate(state, run)).logits  # no step since
+    # no step since the evaluation
+    outputs = (state.evaluation or evaluation_result(engine.evaluate(state, run), engine.evaluate)).logits
     if state.training:
         state.point = resume.point_of(engine.optimizer_state(state, run), engine.scaler_state(state, run))
     exported = engine.exported(state, run)
     exported_logits = evaluate_as_run(state, exported).logits
     checkpoint = state.shared_dir / CHECKPOINT_DIR
+    checkpoint.mkdir(parents=True, exist_ok=True)  # the engine's save() writes into it, as a library's does
     agreed(state, lambda: engine.save(state, run, checkpoint))
     state.group.barrier()  # every rank's part of the checkpoint is written
     export = agreed(state, lambda: engine.export(state, run, state.shared_dir / EXPORT_DIR, checkpoint))
@@ -212,7 +215,8 @@ def checkpoint_reload(state: CellState) -> None:
     check_reload(state, reloaded, saved)
     # the engine's own resume path: a run that evaluates as the saved one did
     state.restored = engine.restore(state, saved.checkpoint, training=state.training)
-    outputs = engine.evaluate(state, state.restored).logits
+    restored = engine.evaluate(state, state.restored)
+    outputs = evaluation_result(restored, engine.evaluate, "evaluate() of the restored run").logits
     state.metrics.resume_reload_max_abs_difference = checks.check_outputs_equal(
         "eval logits of the resumed run", saved.run_logits, outputs, CHECKPOINT_ROUND_TRIP
     )
@@ -501,7 +505,7 @@ def check_against_eager(state: CellState, result) -> None:
         if engine.owns_loop:  # the library's evaluation was taken after step k: the weights held there
             eager = evaluate_as_run(state, engine.exported(state, state.run))
         else:  # the engine's own evaluation of the run, nothing compiled
-            eager = engine.evaluate(state, state.run)
+            eager = evaluation_result(engine.evaluate(state, state.run), engine.evaluate)
     record = state.metrics.compiled
     tolerance = compiled_vs_eager_tolerance(state.precision.compute_dtype)
     value = checks.check_finite_loss(result.loss, "compiled eval loss")
@@ -690,6 +694,7 @@ def check_reload(state: CellState, reloaded, saved: Saved) -> None:
 
     def reload_and_saves() -> None:
         if state.group.writes:
+            adapters.mkdir(parents=True, exist_ok=True)
             state.kind.save(reloaded, adapters)
         outputs = evaluate_as_run(state, reloaded).logits
         state.metrics.reload_max_abs_difference = checks.check_outputs_equal(

@@ -17,11 +17,13 @@ are set only while the matrix's tests are parametrized and run, then put back.
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,12 +224,24 @@ def shard_plan(config) -> ShardPlan | None:
 
 
 def selected_cells(config) -> list[Cell]:
-    """The cells of the axis selection, then of this --shard."""
+    """The cells of the axis selection, then of this --shard (planned over the selection's order,
+    the same in every shard), in the order --order-seed shuffles them to."""
     from matrix.selection import enumerate_cells
 
     activate(config)
     shards = shard_plan(config)
-    return shards.of(config.stash[shard_key][0]) if shards else enumerate_cells(config.stash[selection_key])
+    cells = shards.of(config.stash[shard_key][0]) if shards else enumerate_cells(config.stash[selection_key])
+    return in_seeded_order(cells, option(config, "matrix_order_seed"))
+
+
+def in_seeded_order(cells: list, seed: int | None) -> list:
+    """The cells shuffled by `seed` (the same order in every process given it: xdist's workers
+    must collect alike); None: as they are."""
+    if seed is None:
+        return list(cells)
+    shuffled = list(cells)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled
 
 
 def pytest_generate_tests(metafunc):
@@ -335,35 +349,33 @@ class ExploreClock:
         return share
 
 
-def deterministic_algorithms() -> tuple[bool, bool]:
-    """torch's deterministic-algorithms mode: (enabled, warn only)."""
-    import torch
-
-    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-
-
 @pytest.fixture
 def isolated_torch_state():
-    """A cell starts clean and leaves nothing behind (the matrix's tests ask for it)."""
-    import torch
+    """A cell starts from the process-global state the test before it found and leaves nothing
+    behind (matrix/global_state.py): the Watch it yields is compared after each of the cell's
+    phases, and closed by test_cell, which records what the cell left changed (its
+    `leaked_state`) and puts it back. Whatever is still changed at teardown (a test that raised
+    before closing it, an exploration, a test of a project's own) is put back here, with a warning
+    naming it: never silently."""
+    from matrix import global_state
 
-    saved = (
-        torch.get_default_dtype(),
-        torch.is_grad_enabled(),
-        deterministic_algorithms(),
-        torch.get_num_threads(),
-        dict(os.environ),
+    watch = global_state.Watch()
+    yield watch
+    leaks = watch.close("teardown")
+    if leaks:
+        warnings.warn(LeftGlobalStateChanged(describe_leaks(leaks)), stacklevel=1)
+
+
+class LeftGlobalStateChanged(UserWarning):
+    """A test left process-global state changed; the fixture put it back."""
+
+
+def describe_leaks(leaks) -> str:
+    return "left global state changed (put back): " + "; ".join(
+        f"{leak.setting} {leak.before} -> {leak.after} in {leak.phase}"
+        + ("" if leak.restored else " (could not be put back)")
+        for leak in leaks
     )
-    yield
-    default_dtype, grad_enabled, deterministic, threads, env = saved
-    torch.set_default_dtype(default_dtype)
-    torch.set_grad_enabled(grad_enabled)
-    if deterministic_algorithms() != deterministic:  # its setter imports torch._inductor: 1.5 s, so only if changed
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-    torch.set_num_threads(threads)
-    os.environ.clear()
-    os.environ.update(env)
-    assert not torch.is_autocast_enabled("cpu"), "a cell left CPU autocast enabled"
 
 
 @dataclass(frozen=True)
@@ -376,7 +388,7 @@ class EstablishedKind:
 
 
 @pytest.fixture
-def established_kind(cell, request) -> EstablishedKind:
+def established_kind(cell, request, isolated_torch_state) -> EstablishedKind:
     """The cell's kind's one-time work (matrix/kind_setup.py), done in this process before its
     first cell: in the test's setup, which the cell's timeout does not cover, under a budget of
     its own (--kind-setup-timeout). Its record goes with the test's reports. A kind whose work
@@ -387,12 +399,24 @@ def established_kind(cell, request) -> EstablishedKind:
     config = request.config
     kind = MODELS[cell.model]
     setup = kind_setup.establish(kind, cell.mode == "train", option(config, "matrix_kind_setup_timeout"))
+    isolated_torch_state.checkpoint("kind_setup")  # what the kind's one-time work changed is this cell's
     if setup is not None:
         request.node.user_properties.append((KIND_SETUP_PROPERTY, setup.as_dict()))
     blocking = kind_setup.blocking(kind)
     if blocking is not None:  # no entry is asked: its traits are what ran out of time
         reason = f"{kind.name}'s one-time work ran past --kind-setup-timeout {blocking.budget_s:g} s: {blocking.error}"
         return EstablishedKind(claims=[], blocked=kind_setup.KindSetupTimedOut(reason))
+    # the engine's libraries' one-time work too: the ops they compile on first use (matrix/extension_builds.py)
+    from matrix import extension_builds
+    from matrix.engines import ENGINES
+
+    engine = ENGINES[cell.engine]
+    for built in extension_builds.establish(engine, cell.device, option(config, "matrix_kind_setup_timeout")):
+        request.node.user_properties.append((KIND_SETUP_PROPERTY, built.as_dict()))
+    isolated_torch_state.checkpoint("extension_builds")  # what building them changed is this cell's too
+    stopped = extension_builds.blocking(engine, cell.device)
+    if stopped is not None:
+        return EstablishedKind(claims=[], blocked=stopped)
     return EstablishedKind(claims=config.stash[catalogue_key].in_force(cell, config.stash[installed_key]))
 
 
@@ -500,6 +524,7 @@ class Recorder:
             "axes": {axis: list(values) for axis, values in axis_values().items()},
             "workers": getattr(config.option, "numprocesses", None),
             "shard": "{}/{}".format(*config.stash[shard_key]) if config.stash[shard_key] else None,
+            "order_seed": option(config, "matrix_order_seed"),  # None: the selection's order
             "cuda_device": config.getoption("matrix_cuda_device"),
             # the version stack nox installed (matrix/stacks.toml); None: an environment of your own
             "stack": os.environ.get("MATRIX_STACK"),
@@ -532,8 +557,10 @@ class Recorder:
     def pytest_runtest_logreport(self, report):
         properties = dict(report.user_properties)
         if report.when == "setup" and report.passed and "::test_cell[" in report.nodeid:
-            # the cell's own clock starts now, after its kind's one-time work (python -m matrix run)
-            self.run.cell_set_up(cell_id_from_nodeid(report.nodeid), properties.get(KIND_SETUP_PROPERTY))
+            # the cell's own clock starts now, after its kind's (and engine's libraries') one-time work
+            setups = [value for key, value in report.user_properties if key == KIND_SETUP_PROPERTY]
+            for setup in setups or [None]:
+                self.run.cell_set_up(cell_id_from_nodeid(report.nodeid), setup)
         if EXPLORATION_PROPERTY in properties:
             if report.when == "call":
                 self.run.store_exploration(properties[EXPLORATION_PROPERTY])
@@ -591,6 +618,7 @@ class Recorder:
             terminalreporter.write_line(
                 f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
                 f"{counts['passed']} passed, {counts['skipped']} skipped cells"
+                + (f", {counts['inapplicable']} not applicable here" if counts["inapplicable"] else "")
             )
         ran = [e for e in self.run.explorations if e["skip_reason"] is None]
         if ran:

@@ -28,6 +28,7 @@ class RankContext:
     world_size: int
     device: str  # the device axis' name: cpu, cuda
     cell: object | None = None  # the cell this rank runs now (its CellState), kept between its phases
+    watch: object | None = None  # the cell's watch over this rank's process-global state (matrix/global_state.py)
 
 
 def describe(exc: BaseException) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import calendar
 import faulthandler
+import json
 import os
 import time
 from pathlib import Path
@@ -17,8 +18,43 @@ from matrix.results import journal
 from matrix.results.document import results_document
 from matrix.results.records import CellRecord, outcome_counts
 from matrix.results.run_directory import create_run_directory, point_latest, write_documents
+from matrix.signatures import Signature, normalize_message
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def recordable_entry(entry: dict) -> dict:
+    """A cell's record as results.json can hold it. A record holding what JSON cannot (an engine's
+    settings or a step's loss as an object) never ends the run: the cell fails in phase `record`,
+    its signature naming what could not be written, its own traceback and message kept, and the
+    value written as its repr."""
+    try:
+        json.dumps(journal.json_safe(entry), allow_nan=False)
+        return entry
+    except (TypeError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    unwritable: list[str] = []
+
+    def written(value):
+        unwritable.append(type(value).__name__)
+        return f"<not recordable: {type(value).__name__}: {value!r}>"[:300]
+
+    safe = json.loads(json.dumps(journal.json_safe(entry), allow_nan=False, default=written))
+    signature = Signature("record", "RecordUnwritable", normalize_message(error), "<recording>")
+    types = ", ".join(sorted(set(unwritable)))
+    cause = f"the cell's record holds what results.json cannot: {error} (values of type {types})"
+    before = safe.get("outcome")
+    if safe.get("phase"):
+        before += f" in phase {safe['phase']}: {safe.get('message') or ''}".rstrip()
+    safe.update(
+        outcome="failed",
+        phase="record",
+        signature=signature.as_dict(),
+        message=f"{cause}\nthe cell had {before}",
+        traceback="\n\n".join(t for t in (safe.get("traceback"), cause) if t),
+        known_failure=None,
+    )
+    return safe
 
 
 class RunInUse(ValueError):
@@ -90,7 +126,7 @@ class RunRecorder:
             self.journal.set_up(cell_id, kind_setup)
 
     def store(self, record: CellRecord) -> None:
-        self.records[record.id] = record.as_dict()
+        self.records[record.id] = recordable_entry(record.as_dict())
         if self.journal is not None:
             self.journal.cell(self.records[record.id])
 

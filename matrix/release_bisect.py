@@ -12,6 +12,8 @@ environment for the new run's stack). What it finds:
   that package: not this package (or not reproducible outside the run);
 - `error`: the bisection could not run (a release that does not install, a version pip's index
   does not list), with its message;
+- `nothing ran`: the cell did not run with a release it tried (it skipped, naming what it
+  lacks, or no run came back): the bisection decides nothing about this package;
 - `not run`: the time budget was spent before it started.
 
 A loss curve that moved (the diff's curve-moved category) is bisected the same way, per moved
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from matrix.bisect import BisectError
+from matrix.bisect import BisectError, NothingRan
 
 
 def _direction(old: str, new: str) -> str:
@@ -117,6 +119,8 @@ def _try(record: dict, bisection, deadline: float, budget_s: float, clock) -> di
     start, found = clock(), None
     try:
         found = bisection(start + left)
+    except NothingRan as error:  # the cell skipped (or did not run) with a release: no verdict
+        record.update(status="nothing ran", detail=str(error))
     except BisectError as error:
         same = "nothing to bisect" in str(error)
         record.update(status="same at both ends" if same else "error", detail=str(error))

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from matrix import internal_errors
 from matrix.options import (
     BY_FLAG,
     CELL_TIMEOUT_S,
@@ -49,6 +50,7 @@ ABORT_WAIT_S = 10.0  # after SIGABRT (faulthandler writes the stacks), before SI
 POLL_S = 0.2
 MAX_RESTARTS = 1000  # one per crashed cell; a bound in case a process dies before any cell
 PYTEST_INTERRUPTED = 2
+PYTEST_INTERNAL_ERROR = 3
 PYTEST_USAGE_ERROR = 4
 NO_TESTS_COLLECTED = 5  # a resumed process whose cells were all done already
 
@@ -126,6 +128,15 @@ class Supervisor:
             command.append(f"--report-dir={self.reports_root}")
         return command + (["--matrix-resume"] if resume else [])
 
+    def child_environment(self) -> dict[str, str]:
+        """The environment, with matrix/internal_errors.py loaded into pytest: an internal error
+        of pytest leaves its traceback in the run's directory for record_deaths()."""
+        env = dict(os.environ)
+        plugins = [p for p in env.get("PYTEST_PLUGINS", "").split(",") if p.strip()]
+        env["PYTEST_PLUGINS"] = ",".join([*plugins, "matrix.internal_errors"])
+        env[internal_errors.DIRECTORY_VARIABLE] = str(self.directory)
+        return env
+
     def forward(self, signum, frame) -> None:
         self.stopping = signum
         if self.child is not None and self.child.poll() is None:
@@ -143,7 +154,7 @@ class Supervisor:
         resume = False
         for _ in range(MAX_RESTARTS):
             started_at = time.time()
-            self.child = subprocess.Popen(self.command(resume))
+            self.child = subprocess.Popen(self.command(resume), env=self.child_environment())
             timed_out = self.watch()
             returncode = self.child.wait()
             state = journal.read(self.directory)
@@ -151,7 +162,11 @@ class Supervisor:
                 print("python -m matrix run: the process asked for a fresh one (see above); resuming", file=sys.stderr)
                 resume = True
                 continue
-            if self.stopping or ((self.directory / "results.json").exists() and self.finished_after(started_at)):
+            # pytest's internal error ends the process, which still writes results.json without the
+            # cell in flight and the cells after it: that cell is recorded as crashed, and the run resumes
+            internal_error = returncode == PYTEST_INTERNAL_ERROR and self.internal_error_logs()
+            finished = (self.directory / "results.json").exists() and self.finished_after(started_at)
+            if self.stopping or (finished and not (internal_error and state.in_flight())):
                 if self.stopping:
                     return 128 + self.stopping  # the shell's convention for a run ended by a signal
                 failed = self.crashed or state.restarts
@@ -217,7 +232,8 @@ class Supervisor:
         from matrix.cell import Cell
         from matrix.results.records import crash_record, timeout_record
 
-        stacks = self.faulthandler_output()
+        internal = self.internal_error_output()
+        stacks = "\n".join(text for text in (internal, self.faulthandler_output()) if text)
         log = journal.Journal(self.directory)
         try:
             for cell_id, (started, axes) in in_flight.items():
@@ -227,9 +243,10 @@ class Supervisor:
                     record = timeout_record(cell, self.overrun_s, stacks, rerun=rerun)
                     what = f"timed out after {self.overrun_s:g} s"
                 else:
-                    record = crash_record(
-                        cell, f"killed by {signal_name(returncode)}", stacks, time.time() - started, rerun=rerun
-                    )
+                    cause = f"killed by {signal_name(returncode)}"
+                    if internal:  # pytest's own error ended it: what it was, as its last line says
+                        cause += f" after an internal error of pytest: {internal.strip().splitlines()[-1]}"
+                    record = crash_record(cell, cause, stacks, time.time() - started, rerun=rerun)
                     what = f"crashed ({signal_name(returncode)})"
                 log.cell(record.as_dict())
                 self.crashed.append(cell_id)
@@ -239,6 +256,20 @@ class Supervisor:
                 )
         finally:
             log.close()
+
+    def internal_error_logs(self) -> list[Path]:
+        """The internal errors' tracebacks not yet read into a record, oldest first."""
+        return sorted(self.directory.glob(f"{internal_errors.LOG_PREFIX}*[0-9].log"), key=lambda p: p.stat().st_mtime)
+
+    def internal_error_output(self) -> str:
+        """The traceback of the internal error that ended the process, where one did."""
+        logs = self.internal_error_logs()
+        if not logs:
+            return ""
+        text = logs[-1].read_text(errors="replace")
+        for log in logs:  # kept as evidence; a later death reads only its own
+            log.rename(log.with_suffix(".crash.log"))
+        return text
 
     def faulthandler_output(self) -> str:
         logs = sorted(self.directory.glob("faulthandler-*.log"), key=lambda p: p.stat().st_mtime)

@@ -17,6 +17,18 @@ except ModuleNotFoundError:  # Python 3.10
 STACKS_FILE = Path(__file__).with_name("stacks.toml")
 CAPABILITIES = ("cuda",)
 
+# The project's extras every environment the matrix is run from has: nox's sessions
+# (noxfile.py install_stack) and the scratch environments of a sweep or bisection
+# (matrix/bisect.py ScratchEnvironment). bitsandbytes for the quantized precisions (small, and a
+# CPU build): without it their cells skip, and a sweep of them would compare skips.
+DEFAULT_EXTRAS = ("quantized",)
+
+
+def project_requirement(root: Path | str, extras: tuple[str, ...] = ()) -> str:
+    """The pip argument that installs the project at `root` with the default extras and `extras`."""
+    chosen = (*DEFAULT_EXTRAS, *extras)
+    return f"{root}[{','.join(chosen)}]" if chosen else str(root)
+
 
 class StackError(ValueError):
     """The stacks file is malformed: the message names the file, the stack and the field."""

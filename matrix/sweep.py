@@ -15,6 +15,13 @@ It writes reports/sweep-<package>-<time>/: each release's run under runs/<versio
 sweep.json (the data), sweep.md and sweep.html (matrix/results/sweep_table.py: release x
 precision x engine folded by state, and the first release where each cell changed).
 Environments are pruned to the most recently used MATRIX_SCRATCH_KEEP (default 3).
+
+A release whose selected cells did not run (all skipped: a capability this machine or
+environment lacks; or no run came back) gives no verdict: the log and the page name it with the
+skips' reasons (sweep_table.nothing_ran), and python -m matrix sweep exits 4. The scratch
+environment has the extras every nox environment has (matrix/stacks.py DEFAULT_EXTRAS), so a
+sweep's cells skip where the default run's would, not more. `in_this_environment`: the releases
+go into the interpreter running the sweep instead (bisect.CurrentEnvironment).
 """
 
 from __future__ import annotations
@@ -35,11 +42,12 @@ from matrix.bisect import (
     DEFAULT_TORCH,
     SCRATCH,
     BisectError,
+    CurrentEnvironment,
     ScratchEnvironment,
     final_releases,
     parse_index_listing,
 )
-from matrix.results.sweep_table import RAN, brief_cell, sweep_html, sweep_markdown
+from matrix.results.sweep_table import RAN, brief_cell, nothing_ran, nothing_ran_line, sweep_html, sweep_markdown
 
 # What a release must import beside: the stack the matrix runs on.
 IMPORT_CHECK = "import torch, transformers, peft, accelerate, lightning, safetensors; import matrix.models"
@@ -166,21 +174,31 @@ def sweep(
     per: str = "release",
     selection: list[str],
     reports_root: Path,
+    in_this_environment: bool = False,
     log=print,
 ) -> tuple[dict, Path]:
+    """The sweep's document and directory. `in_this_environment`: the releases go into the
+    interpreter running the sweep (CurrentEnvironment) instead of the stack's scratch environment.
+    Where the selected cells did not run in a release (sweep_table.nothing_ran), the log and the
+    page say so; python -m matrix sweep then exits with NOTHING_RAN_STATUS."""
     stacks = version_stacks.load()
     if stack_name not in stacks:
         raise SweepError(f"--stack: unknown stack {stack_name!r}; known: {', '.join(stacks)}")
     if (versions is None) == (last is None):
         raise SweepError("give the releases: --last N or --versions A,B,C")
     stack = stacks[stack_name]
-    env = ScratchEnvironment(stack, os.environ.get("MATRIX_TORCH", DEFAULT_TORCH))
+    if in_this_environment:
+        env = CurrentEnvironment(stack)
+        log(f"this environment, as it is (the stack's pins are not installed): {env.path}")
+    else:
+        env = ScratchEnvironment(stack, os.environ.get("MATRIX_TORCH", DEFAULT_TORCH))
+        log(f"scratch environment for stack {stack_name}: {env.path}")
     selection = [*stack.select, *selection]
-    log(f"scratch environment for stack {stack_name}: {env.path}")
     started = time.perf_counter()
     with env.held(log):
         env.ensure()
-        (env.path / ".bisect-stack").touch()  # last used: what pruning keeps
+        if env.scratch:
+            (env.path / ".bisect-stack").touch()  # last used: what pruning keeps
         if versions is None:
             done = env.pip("index", "versions", package)
             if done.returncode:
@@ -202,7 +220,7 @@ def sweep(
                 results.append(result)
         finally:
             env.restore(package, log)
-        size = _size_mb(env.path)
+        size = _size_mb(env.path) if env.scratch else None
     document = {
         "kind": "release-sweep",
         "package": package,
@@ -218,7 +236,10 @@ def sweep(
         "releases": [r.as_dict() for r in results],
     }
     write_sweep(document, directory)
-    prune_scratch(in_use=env.path, log=log)
+    for entry in nothing_ran(document):
+        log(nothing_ran_line(entry))
+    if env.scratch:
+        prune_scratch(in_use=env.path, log=log)
     return document, directory
 
 

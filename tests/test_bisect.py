@@ -122,3 +122,28 @@ def test_two_bisections_of_one_stack_take_its_scratch_environment_in_turn(tmp_pa
     waiting.join(timeout=10.0)
     assert order == ["first", "second"]
     assert said == [f"waiting: another bisection is using the scratch environment {tmp_path / 'some-stack'}"]
+
+
+def test_a_bisection_whose_cell_skips_decides_nothing_and_says_why(tmp_path, monkeypatch):
+    """For real, cheaply: this environment (the release already installed: a no-op install), a cell
+    that skips here for want of a GPU. The bisection stops at the first release with NothingRan,
+    naming the release and the skip's reason (python -m matrix bisect exits 4 on it)."""
+    from importlib.metadata import version as installed
+
+    import torch
+
+    from matrix import stacks
+
+    if torch.cuda.is_available():
+        pytest.skip("Requires: [no CUDA device] (the cell must skip: it runs here)")
+    monkeypatch.setattr(bisect, "SCRATCH", tmp_path)
+    env = bisect.CurrentEnvironment(stacks.load()["default"])
+    now = installed("safetensors")
+    monkeypatch.setattr(env, "released_versions", lambda package: [now, "999.0"])
+    cell = "tiny-llama-fp32-eval-cuda-torch"
+    with pytest.raises(bisect.NothingRan) as info:
+        bisect._bisect_in(env, "safetensors", now, "999.0", cell, "default", stacks.load(), tmp_path, [], print)
+    message = str(info.value)
+    assert message.startswith(f"nothing ran in safetensors=={now}: the cell skipped: Requires: [CUDA device]"), message
+    assert message.endswith("the bisection decides nothing")
+    assert installed("safetensors") == now

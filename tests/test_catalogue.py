@@ -314,7 +314,9 @@ def test_an_entry_that_only_a_long_curve_shows_is_in_force_only_in_runs_that_lon
     cell = Cell("tiny-transformer", "bf16-mixed", "eval", "cpu", "torch")
     found = catalogue.Catalogue([entry])
     monkeypatch.delenv(schedule.CURVE_STEPS_VARIABLE, raising=False)
-    assert entry.min_curve_steps == 4 and found.in_force(cell, {"torch": "2.13.0"}) == []
+    assert [str(r) for r in entry.when] == ["curve-steps-at-least-4"] and found.in_force(
+        cell, {"torch": "2.13.0"}
+    ) == []
     monkeypatch.setenv(schedule.CURVE_STEPS_VARIABLE, "8")
     assert found.in_force(cell, {"torch": "2.13.0"}) == [entry]
     with pytest.raises(catalogue.CatalogueError, match="field 'min_curve_steps' must be a whole number"):

@@ -1,17 +1,22 @@
 """The docs stay honest: every relative link in README.md and docs/ resolves (to a file, and to a
 heading where it names an anchor), every `nox -s NAME` they name is a session of noxfile.py,
 every `python -m matrix SUB` a subcommand of matrix/__main__.py (and every `python -m matrix.X`
-a module that exists), the README stays a landing page, and it links every page of docs/.
+a module that exists), every --flag a command line in them gives is one that command takes
+(`pytest` and `python -m matrix run` with the matrix's plugin, `python -m matrix SUB`, what a nox
+session hands on after `--`), the README stays a landing page, and it links every page of docs/.
 
 Standard library and pytest only: nothing here imports torch or the matrix package; noxfile.py
-and matrix/__main__.py are read with `ast`, not imported.
+and matrix/__main__.py are read with `ast`, not imported, and the flags a command takes are read
+from its own --help, in a subprocess.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterator
 from functools import cache
@@ -198,6 +203,112 @@ def module_exists(dotted: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+# --- which flags a command takes -------------------------------------------------------------
+
+FLAG = re.compile(r"(?:^|[\s,\[(])(--[A-Za-z0-9][\w-]*)")
+# sessions whose arguments after `--` go to pytest or to `python -m matrix run` (which hands them
+# on to pytest), and those whose arguments go to one `python -m matrix` subcommand (noxfile.py)
+PYTEST_SESSIONS = {"matrix", "tests", "liger", "real", "deepspeed", "compile", "explore", "architectures", "stack"}
+SUBCOMMAND_SESSIONS = {"sweep": "sweep", "releases": "releases", "bisect": "bisect", "compare": "diff"}
+
+
+@cache
+def help_flags(*command: str) -> frozenset[str]:
+    """The flags a command's own --help lists (pytest's includes the matrix plugin's options)."""
+    done = subprocess.run(
+        [sys.executable, *command, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert done.returncode == 0, f"{' '.join(command)} --help failed: {done.stderr[-2000:]}"
+    return frozenset(FLAG.findall(done.stdout)) | {"--help"}
+
+
+def pytest_flags() -> frozenset[str]:
+    """pytest's, with the matrix's plugin: from its entry point where the package is installed,
+    else (a source checkout on a GPU image) loaded by name."""
+    flags = help_flags("-m", "pytest")
+    return flags if "--model" in flags else help_flags("-m", "pytest", "-p", "matrix.plugin")
+
+
+# subcommands that take only their own flags; every other hands what it does not know to the
+# pytest run of its cells (matrix/__main__.py's parse_known_args)
+OWN_FLAGS_ONLY = ("diff", "merge", "compatibility", "curves initial", "curves write")
+
+
+@cache
+def noxfile_flags() -> frozenset[str]:
+    """Flags noxfile.py's sessions read from their own arguments before handing the rest on
+    (`nox -s compile -- --all`): the "--x" string constants it names."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    return frozenset(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"--[a-z][\w-]*", node.value)
+    )
+
+
+def flags_for(program: str) -> frozenset[str]:
+    """`pytest` or a `python -m matrix` subcommand: what it accepts; `run` after a nox session's
+    `--` also what the session reads itself."""
+    if program == "pytest":
+        return pytest_flags()
+    own = help_flags("-m", "matrix", *program.split())
+    if program in OWN_FLAGS_ONLY:
+        return own
+    return own | pytest_flags() | (noxfile_flags() if program == "run" else frozenset())
+
+
+def words_of(segment: str) -> list[str]:
+    lexer = shlex.shlex(segment, posix=True)
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    try:
+        return list(lexer)
+    except ValueError:  # an unclosed quote: a fragment of prose, not a command
+        return segment.split()
+
+
+def given_flags(line: str) -> list[tuple[str, str]]:
+    """(program, flag) for each --flag a command line gives a program this test knows: pytest,
+    `python -m matrix SUB` (and `curves SUB`), and a nox session's arguments after `--`."""
+    found = []
+    for segment in re.split(r"&&|\|\||;|\|", line):
+        words = words_of(segment)
+        program, index = None, 0
+        while index < len(words):
+            word = words[index]
+            if program is None:
+                if word == "pytest" or (word == "-m" and words[index + 1 : index + 2] == ["pytest"]):
+                    program = "pytest"
+                    index += 1 if word == "-m" else 0
+                elif word == "-m" and words[index + 1 : index + 2] == ["matrix"] and index + 2 < len(words):
+                    sub = words[index + 2]
+                    if sub in matrix_subcommands():
+                        program = sub
+                        if sub == "curves" and index + 3 < len(words) and not words[index + 3].startswith("-"):
+                            program = f"curves {words[index + 3]}"
+                            index += 1
+                        index += 2
+                elif word == "nox":
+                    sessions = list(named_sessions(segment))
+                    if "--" in words[index:]:
+                        index = words.index("--", index)
+                        base = {s.split("(")[0] for s in sessions}
+                        if base and base <= PYTEST_SESSIONS:
+                            program = "run"
+                        elif len(base) == 1 and (only := base.pop()) in SUBCOMMAND_SESSIONS:
+                            program = SUBCOMMAND_SESSIONS[only]
+                    if program is None:
+                        break
+            elif word.startswith("--") and len(word) > 2 and re.fullmatch(r"--[A-Za-z0-9][\w-]*(=.*)?", word):
+                found.append((program, word.split("=", 1)[0]))
+            index += 1
+    return found
+
+
 # --- the tests ---------------------------------------------------------------------------------
 
 
@@ -234,6 +345,19 @@ def test_every_python_m_matrix_command_exists(page):
     assert not problems, (
         f"{rel(page)}: " + "; ".join(sorted(set(problems))) + f" (subcommands: {', '.join(sorted(subcommands))})"
     )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_flag_a_command_gives_is_one_it_takes(page):
+    problems = sorted(
+        {
+            f"`{flag}` given to {'pytest' if program == 'pytest' else 'python -m matrix ' + program}"
+            for line in code_lines(page.read_text(encoding="utf-8"))
+            for program, flag in given_flags(line)
+            if flag not in flags_for(program)
+        }
+    )
+    assert not problems, f"{rel(page)}: flags no such command takes: " + "; ".join(problems)
 
 
 def test_readme_is_a_landing_page():
@@ -278,6 +402,20 @@ def test_unknown_sessions_subcommands_and_modules_are_found():
     assert matrix_commands("python -m matrix run cases -n auto") == [("matrix", "run")]
     assert matrix_commands("python -m matrix.bench --write") == [("matrix.bench", "--write")]
     assert module_exists("matrix.bench") and not module_exists("matrix.no_such_module")
+
+
+def test_a_flag_no_command_takes_is_found():
+    assert given_flags("pytest cases --model lora -k x  # --not-a-flag in a comment") == [("pytest", "--model")]
+    assert given_flags("nox -s matrix -- --device cpu -n auto") == [("run", "--device")]
+    assert given_flags("python -m matrix diff OLD NEW --fail-on new && pytest --lf") == [
+        ("diff", "--fail-on"),
+        ("pytest", "--lf"),
+    ]
+    assert given_flags("python -m matrix curves run --write") == [("curves run", "--write")]
+    assert given_flags("nox -s sweep -- --package peft") == [("sweep", "--package")]
+    assert "--model" in flags_for("pytest") and "--no-such-flag" not in flags_for("pytest")
+    assert "--fail-on" in flags_for("diff") and "--model" not in flags_for("diff")
+    assert "--cell-timeout" in flags_for("run") and "--lf" in flags_for("run")
 
 
 def test_anchors_follow_githubs_rule():

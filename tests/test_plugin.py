@@ -125,6 +125,8 @@ PROJECT = {
             torch.set_default_dtype(torch.float64)
             torch.set_grad_enabled(False)
             torch.set_num_threads(THREADS + 1)
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # the legacy getter refuses now
+            torch.set_autocast_enabled("cpu", True)
             os.environ["MATRIX_TEST_LEFTOVER"] = "1"
 
         def test_finds_it_as_it_was(isolated_torch_state):
@@ -132,6 +134,8 @@ PROJECT = {
             assert not torch.is_deterministic_algorithms_warn_only_enabled()
             assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
             assert torch.get_num_threads() == THREADS
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert not torch.is_autocast_enabled("cpu")
             assert "MATRIX_TEST_LEFTOVER" not in os.environ
         """,
 }
@@ -162,6 +166,10 @@ def test_a_project_of_its_own_runs_its_cells_beside_its_own_tests(pytester, monk
         "test_state.py::test_finds_it_as_it_was": "PASSED",  # what the test before it changed is back
     }, "\n".join(done.outlines[-60:])
     done.assert_outcomes(passed=4, xfailed=1)
+    # put back, and said: the warning names each setting the test left changed
+    warned = "\n".join(done.outlines).rpartition("warnings summary")[2]
+    assert "LeftGlobalStateChanged" in warned
+    assert "torch.backends.mkldnn.matmul.fp32_precision 'none' -> 'bf16'" in warned
     results = json.loads((pytester.path / "reports" / "latest" / "results.json").read_text())
     rerun = {c["id"]: c["rerun"] for c in results["cells"]}
     # the node id is the project's own test module; its conftest loads the plugin, so no -p

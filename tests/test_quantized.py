@@ -4,6 +4,7 @@ layers, the checks' own hands off the model they check, and the quantized cells 
 engines (the CI slice), for our kinds and for a user's QLoRA written the usual way
 (tests/plugins/user_qlora.py)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -180,12 +181,130 @@ def test_fp32_compute_multiplies_the_same_quantized_weights_in_fp32_and_restores
     assert {m.compute_dtype for m in layers} == {torch.float16}
 
 
+# bitsandbytes >= 0.50 multiplies int8 by int8 on a CPU with torch._int_mm only where torch dispatches
+# at AVX512; elsewhere its portable kernel runs inside the forward's fp16 autocast, and the torch
+# loop's evaluations of an 8-bit base move off their references (known_failures.toml, this entry;
+# docs/upstream-bitsandbytes/cpu_int8_matmul_under_autocast.py)
+INT8_UNDER_FP16_AUTOCAST = "bnb-cpu-int8-product-autocast-to-fp16-without-avx512"
+
+
+def int8_product_rounded_here(hardware: dict) -> bool:
+    """Whether the run's CPU took bitsandbytes' portable int8 product (no AVX512 as torch dispatches,
+    the facts its report records), where fp16 autocast rounds it."""
+    from matrix.conditions import Context, lookup
+
+    avx512 = lookup("cpu-avx512").holds(Context(hardware=hardware))
+    return not avx512 and Version(quantization.installed_bitsandbytes()) >= Version("0.50")
+
+
+def out_of_a_row(cell: dict) -> bool:
+    """Whether either of a quantized cell's evaluations left its row (the one that failed it)."""
+    metrics, allowed = cell["metrics"], lambda tolerance, reference: tolerance["atol"] + tolerance["rtol"] * reference
+    if metrics.get("fp32_deviation_abs", 0) > allowed(metrics["fp32_tolerance"], metrics["fp32_reference_loss"]):
+        return True
+    record = metrics.get("quantized", {})
+    return record.get("unquantized_loss") is not None and record["unquantized_deviation_abs"] > allowed(
+        record["unquantized_tolerance"], record["unquantized_loss"]
+    )
+
+
+def check_int8_under_fp16_autocast(cells: dict, hardware: dict) -> dict[str, str]:
+    """The cells the entry names, by id, with their outcomes. It names only int8 cells whose forward
+    autocast to fp16 (the torch loop's, not the Trainer's). Where the product is exact it claims none:
+    they pass, "inapplicable" here. Where it rounds, each cell it claims fails an evaluation's row."""
+    named = {i: c for i, c in cells.items() if (c.get("known_failure") or {}).get("id") == INT8_UNDER_FP16_AUTOCAST}
+    for cell_id, cell in named.items():
+        assert cell["precision"] == "int8-fp16-mixed", cell_id
+        assert cell["metrics"]["effective"]["autocast_dtype_in_forward"] == "float16", cell_id
+    outcomes = {i: c["outcome"] for i, c in named.items()}
+    if not int8_product_rounded_here(hardware):
+        assert set(outcomes.values()) <= {"inapplicable"}, outcomes
+        return outcomes
+    assert set(outcomes.values()) <= {"known"}, outcomes  # a claimed cell that passes is passed (may_pass)
+    for cell_id, cell in named.items():
+        assert cell["phase"] in ("evaluate", "mid_training_eval") and out_of_a_row(cell), cell_id
+    return outcomes
+
+
+AVX2_FACTS = {"cpu_capability": "AVX2"}
+AVX512_FACTS = {"cpu_capability": "AVX512"}
+INT8_SIGNATURES = {
+    "train": "mid_training_eval: matrix.checks.OutOfTolerance: mid-training eval loss <n> is off the fp32 reference "
+    "<n> by <n> (allowed: atol <n> + rtol <n> * |reference|) @ matrix.checks:check_within_tolerance",
+    "eval": "evaluate: matrix.checks.OutOfTolerance: eval loss against the unquantized model <n> is off the fp32 "
+    "reference <n> by <n> (allowed: atol <n> + rtol <n> * |reference|) @ matrix.checks:check_within_tolerance",
+}
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize(
+    ("hardware", "autocast", "bitsandbytes", "expected"),
+    [
+        (AVX2_FACTS, "float16", "0.50.2", "known"),  # the portable product, autocast to fp16
+        (AVX2_FACTS, "float16", "0.50.0", "known"),
+        (AVX512_FACTS, "float16", "0.50.2", "failed"),  # torch._int_mm: exact, so a deviation is news
+        (AVX2_FACTS, "bfloat16", "0.50.2", "failed"),  # Lightning's bf16 rounds, never overflows
+        (AVX2_FACTS, None, "0.50.2", "failed"),  # accelerate and the Trainer do not autocast on a CPU
+        (AVX2_FACTS, "float16", "0.49.2", "failed"),  # torch._int_mm on every CPU before 0.50
+    ],
+)
+def test_the_int8_product_entry_claims_a_deviation_only_where_its_mechanism_is(
+    mode, hardware, autocast, bitsandbytes, expected
+):
+    """The catalogue's entry on the evidence the cells record: the CPU torch dispatches on (the
+    report's environment.hardware) and the autocast their forward saw. Holds on any machine: the
+    facts are given, not probed."""
+    from matrix import catalogue
+    from matrix.conditions import Context
+
+    shipped = catalogue.load()
+    entry = shipped.by_id(INT8_UNDER_FP16_AUTOCAST)
+    cell = Cell("qlora", "int8-fp16-mixed", mode, "cpu", "torch")
+    installed = {"bitsandbytes": bitsandbytes, "torch": "2.13.0"}
+    in_force = [e for e in shipped.in_force(cell, installed, Context(hardware=hardware)) if e is entry]
+    metrics = {"effective": {"autocast_dtype_in_forward": autocast}}
+    outcome, found = catalogue.classify("failed", INT8_SIGNATURES[mode], in_force, metrics)
+    assert (outcome, found.id if found else None) == (expected, entry.id if expected == "known" else None)
+    # a claimed cell whose deviation stays within its rows (lora's evaluation) is passed, not fixed
+    assert catalogue.classify("passed", None, in_force, metrics) == ("passed", None)
+    # a CPU entry: a cuda cell takes bitsandbytes' CUDA kernels, whatever the host CPU
+    on_gpu = Cell("qlora", "int8-fp16-mixed", mode, "cuda", "torch")
+    assert entry not in shipped.in_force(on_gpu, installed, Context(hardware=AVX2_FACTS))
+
+
+@pytest.mark.parametrize(
+    ("hardware", "autocast", "expected"),
+    [
+        (AVX2_FACTS, "float16", "passed"),  # in force, and lora's evaluation stays within its rows
+        (AVX512_FACTS, "float16", "inapplicable"),  # it would claim the cell on a CPU without AVX-512
+        (AVX512_FACTS, None, "passed"),  # the Trainer's: not claimed on any CPU, so not inapplicable
+        (AVX512_FACTS, "bfloat16", "passed"),
+    ],
+)
+def test_a_passing_int8_cell_is_inapplicable_only_where_the_entry_would_claim_it_elsewhere(
+    hardware, autocast, expected
+):
+    from matrix import catalogue
+    from matrix.conditions import Context
+
+    shipped = catalogue.load()
+    entry = shipped.by_id(INT8_UNDER_FP16_AUTOCAST)
+    cell = Cell("lora", "int8-fp16-mixed", "eval", "cpu", "torch")
+    installed, facts = {"bitsandbytes": "0.50.2", "torch": "2.13.0"}, Context(hardware=hardware)
+    in_force = [e for e in shipped.in_force(cell, installed, facts) if e is entry]
+    elsewhere = [e for e in shipped.inapplicable(cell, installed, facts) if e is entry]
+    metrics = {"effective": {"autocast_dtype_in_forward": autocast}}
+    outcome, _ = catalogue.classify("passed", None, in_force, metrics, inapplicable=elsewhere)
+    assert outcome == expected
+
+
 @pytest.fixture(scope="module")
 def slice_run(tmp_path_factory, matrix_cpu):
     """The CI slice of the quantized cells: lora and qlora, each quantized precision, through the
-    torch loop and the Trainer."""
-    return matrix_cpu(
-        tmp_path_factory.mktemp("quantized"),
+    torch loop and the Trainer; with the hardware facts its report records."""
+    directory = tmp_path_factory.mktemp("quantized")
+    done, cells = matrix_cpu(
+        directory,
         "--model",
         "lora,qlora",
         "--precision",
@@ -193,19 +312,28 @@ def slice_run(tmp_path_factory, matrix_cpu):
         "--engine",
         "torch,hf-trainer",
     )
+    hardware = json.loads((directory / "run" / "results.json").read_text())["environment"]["hardware"]
+    return done, cells, hardware
 
 
 @needs_bitsandbytes
 def test_the_quantized_slice_has_no_unexplained_failure(slice_run):
-    done, cells = slice_run
+    done, cells, hardware = slice_run
     assert done.returncode == 0, done.stdout[-3000:]
     assert len(cells) == 2 * 3 * 2 * 2
     assert [i for i, c in cells.items() if c["outcome"] in ("failed", "fixed")] == []
+    named = check_int8_under_fp16_autocast(cells, hardware)
+    torch_training = {"lora-int8-fp16-mixed-train-cpu-torch", "qlora-int8-fp16-mixed-train-cpu-torch"}
+    # the torch loop's training cells autocast to fp16: known to fail their evaluation after training
+    # where the product rounds, named as inapplicable where it is exact; the Trainer's, never named
+    assert {i for i in named if i.endswith("-train-cpu-torch")} == torch_training
     # seed 000's configuration trains and saves on a CPU, every save read back bit for bit
     for engine in ("torch", "hf-trainer"):
         for model in ("lora", "qlora"):
             cell = cells[f"{model}-int8-fp16-mixed-train-cpu-{engine}"]
-            assert cell["outcome"] == "passed", cell
+            if named.get(cell["id"]) == "known":
+                continue
+            assert cell["outcome"] == ("inapplicable" if cell["id"] in named else "passed"), cell
             record = cell["metrics"]["quantized"]
             assert record["storage"]["storage_dtype"] == "int8"
             assert record["prequantized_reload_max_abs_difference"] == 0.0
@@ -216,13 +344,17 @@ def test_the_quantized_slice_has_no_unexplained_failure(slice_run):
 
 @needs_bitsandbytes
 def test_each_quantized_cell_records_both_deviations_within_their_rows(slice_run):
-    _, cells = slice_run
+    _, cells, hardware = slice_run
+    named = check_int8_under_fp16_autocast(cells, hardware)  # each it claims out of a row, as it fails
+    claimed = {i for i, outcome in named.items() if outcome == "known"}
     measured = [c for c in cells.values() if c["metrics"].get("quantized", {}).get("unquantized_loss") is not None]
     assert {c["precision"] for c in measured} == set(QUANTIZED)  # qlora's 4-bit cells evaluate
     for cell in measured:
         metrics = cell["metrics"]
-        own, unquantized = metrics["fp32_deviation_abs"], metrics["quantized"]["unquantized_deviation_abs"]
         assert metrics["quantized"]["fp32_reference"].startswith("the same quantized base")
+        if cell["id"] in claimed:
+            continue
+        own, unquantized = metrics["fp32_deviation_abs"], metrics["quantized"]["unquantized_deviation_abs"]
         tolerance = metrics["quantized"]["unquantized_tolerance"]
         assert unquantized <= tolerance["atol"] + tolerance["rtol"] * metrics["quantized"]["unquantized_loss"]
         assert (
@@ -246,7 +378,11 @@ def test_a_users_qlora_runs_the_quantized_precisions_with_no_failure_of_the_harn
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert [i for i, c in cells.items() if c["outcome"] in ("failed", "fixed")] == []
-    assert cells["user-qlora-int8-fp16-mixed-train-cpu-torch"]["outcome"] == "passed"
+    hardware = json.loads((tmp_path / "run" / "results.json").read_text())["environment"]["hardware"]
+    named = check_int8_under_fp16_autocast(cells, hardware)
+    expected = "known" if int8_product_rounded_here(hardware) else "inapplicable"
+    assert named.get("user-qlora-int8-fp16-mixed-train-cpu-torch") == expected
+    assert cells["user-qlora-int8-fp16-mixed-train-cpu-hf-trainer"]["outcome"] == "passed"
     assert cells["user-qlora-bf16-mixed-train-cpu-hf-trainer"]["outcome"] == "passed"
     storage = cells["user-qlora-nf4-bf16-mixed-train-cpu-torch"]["metrics"]["quantized"]["storage"]
     assert storage["quantized_layers"] == 14 and storage["storage_dtype"] == "uint8"

@@ -329,3 +329,148 @@ def test_the_nightly_bisects_a_moved_curve_by_its_curve_within_what_the_budget_l
         "first moved: deepspeed 0.18.3 (last before: 0.18.2; curve as the old run's -> curve moved)"
     )
     assert json.loads((tmp_path / "curve-bisections.json").read_text()) == records
+
+
+def _skipped(cell_id, reason):
+    return {**_cell(cell_id, "nf4-bf16-mixed", "torch", "skipped"), "skip_reason": reason}
+
+
+def test_a_release_whose_selected_cells_all_skipped_is_named_and_decides_nothing():
+    """The issue's sweep: without bitsandbytes every quantized cell skipped in both releases, and the
+    page said no cell changed across them. A release whose cells did not run is listed with the
+    skips' reasons, and the change section does not count it."""
+    missing = "Requires: [bitsandbytes] (not installed)"
+    document = {
+        **_sweep_document(),
+        "releases": [
+            {"version": "0.21.1", "status": "ran", "seconds": 3, "cells": {"a": _skipped("a", missing)}},
+            {"version": "0.21.2", "status": "ran", "seconds": 3, "cells": {"a": _skipped("a", missing)}},
+        ],
+    }
+    assert sweep_table.nothing_ran(document) == [
+        {"version": "0.21.1", "cells": 1, "reasons": {missing: 1}},
+        {"version": "0.21.2", "cells": 1, "reasons": {missing: 1}},
+    ]
+    markdown = sweep_table.sweep_markdown(document)
+    assert "**No verdict: the selected cells ran in no release; this sweep decides nothing.**" in markdown
+    assert f"- **nothing ran in 0.21.1: 1 cell skipped: {missing}**" in markdown
+    assert "| 0.21.2 | **nothing ran** |" in markdown
+    assert "No cell changed its state" not in markdown and "No verdict: no release ran a selected cell." in markdown
+    assert "nothing ran in 0.21.2: 1 cell skipped: Requires: [bitsandbytes]" in sweep_table.sweep_html(document)
+
+    # one release ran its cells, one ran none, one came back without a run: two without a verdict
+    document["releases"] = [
+        {
+            "version": "1.0",
+            "status": "ran",
+            "seconds": 3,
+            "cells": {"a": {**_skipped("a", missing), "state": "passed"}},
+        },
+        {
+            "version": "1.1",
+            "status": "ran",
+            "seconds": 3,
+            "cells": {"a": _skipped("a", missing), "b": _skipped("b", "R")},
+        },
+        {"version": "1.2", "status": "did not run", "detail": "exit status 3, no results.json", "seconds": 1},
+    ]
+    assert [sweep_table.nothing_ran_line(e) for e in sweep_table.nothing_ran(document)] == [
+        f"nothing ran in 1.1: 2 cells skipped: {missing} (1); R (1)",
+        "nothing ran in 1.2: exit status 3, no results.json",
+    ]
+    markdown = sweep_table.sweep_markdown(document)
+    assert "No verdict: the selected cells ran in no release" not in markdown
+    assert "No cell changed its state across the 1 releases whose cells ran." not in markdown  # 1.0 -> 1.1 changed
+
+
+def test_a_sweep_whose_selected_cells_all_skip_exits_4_saying_why(tmp_path):
+    """For real, cheaply: the release already installed, swept in this environment (a no-op
+    install), with a selection whose one cell skips on this machine for want of a GPU."""
+    version = installed("safetensors")
+    command = [sys.executable, "-m", "matrix", "sweep", "--package", "safetensors", "--versions", version]
+    command += ["--in-this-environment", "--report-dir", str(tmp_path)]
+    command += ["--model", "tiny-llama", "--precision", "fp32", "--mode", "eval", "--engine", "torch"]
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("Requires: [no CUDA device] (the selection's cell must skip: it runs here)")
+    done = subprocess.run([*command, "--device", "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"nothing ran in {version}: 1 cell skipped: Requires: [CUDA device]" in done.stdout
+    assert done.stderr.strip().endswith(
+        f"python -m matrix sweep: nothing ran in {version}: no verdict there (see the page)"
+    )
+    (page,) = tmp_path.glob("sweep-safetensors-*/sweep.md")
+    text = page.read_text()
+    assert "**No verdict: the selected cells ran in no release; this sweep decides nothing.**" in text
+    assert "in the environment running the sweep" in text
+    assert installed("safetensors") == version  # put back (it never moved)
+
+
+def test_a_scratch_environment_has_the_default_environments_extras(tmp_path, monkeypatch):
+    """The issue's sweep built its scratch environment without bitsandbytes, which nox's environments
+    have (matrix/stacks.py DEFAULT_EXTRAS, read by noxfile.py too): the project goes in with them."""
+    from matrix import bisect, stacks
+
+    assert stacks.DEFAULT_EXTRAS == ("quantized",)
+    assert "DEFAULT_EXTRAS = version_stacks.DEFAULT_EXTRAS" in (ROOT / "noxfile.py").read_text()
+    monkeypatch.setattr(bisect, "SCRATCH", tmp_path)
+    env = bisect.ScratchEnvironment(load_stacks()["default"], "torch==2.13.0")
+    env.path.mkdir()  # what the venv would have made
+    installs = []
+    monkeypatch.setattr(bisect.subprocess, "run", lambda *a, **k: None)  # the venv itself
+    monkeypatch.setattr(env, "pip", lambda *args: installs.append(args) or subprocess.CompletedProcess(args, 0, "[]"))
+    env.ensure()
+    assert ("install", "-q", "-e", f"{bisect.ROOT}[quantized]") in installs, installs
+
+
+def test_the_nightly_says_nothing_ran_where_a_bisections_cell_skipped(tmp_path):
+    """A bisection whose cell skips with a release decides nothing: its record says so, apart
+    from an error and from 'same at both ends' (which would clear the package)."""
+    from matrix.bisect import NothingRan
+
+    def bisect_fn(package, good, bad, cell, stack, output, extra, log, deadline):
+        raise NothingRan(f"nothing ran in {package}=={good}: the cell skipped: Requires: [bitsandbytes]")
+
+    (record,) = release_bisect.bisect_new_failures(
+        [_new("qlora-nf4-bf16-mixed-train-cpu-torch", "sig-a")],
+        {"peft": ("0.21.1", "0.21.2")},
+        stack="default",
+        budget_s=100,
+        output=tmp_path,
+        bisect_fn=bisect_fn,
+        clock=Clock(),
+        log=lambda line: None,
+    )
+    assert record["status"] == "nothing ran"
+    assert compare.bisection_verdict(record) == (
+        "peft 0.21.1 -> 0.21.2: nothing ran (nothing ran in peft==0.21.1: the cell skipped: Requires: [bitsandbytes])"
+    )
+
+
+def test_a_run_whose_selected_cells_all_skipped_is_one_line_for_the_stack_session():
+    skipped = {"outcome": "skipped", "skip_reason": "Requires: [CUDA device] (none visible)"}
+    document = {"cells": [skipped, skipped]}
+    assert sweep_table.run_nothing_ran(document, "stack default") == (
+        "nothing ran in stack default: 2 cells skipped: Requires: [CUDA device] (none visible)"
+    )
+    assert sweep_table.run_nothing_ran({"cells": []}, "stack x") == "nothing ran in stack x: the selection has no cell"
+    assert sweep_table.run_nothing_ran({"cells": [skipped, {"outcome": "known"}]}, "stack x") is None
+
+
+def test_the_published_table_exits_4_naming_each_release_that_ran_nothing(tmp_path):
+    """python -m matrix releases --from: the page is written, and the exit status says a sweep
+    had a release without a verdict (as sweep's does)."""
+    missing = "Requires: [bitsandbytes] (not installed)"
+    document = {
+        **_sweep_document(),
+        "releases": [{"version": "0.21.1", "status": "ran", "seconds": 3, "cells": {"a": _skipped("a", missing)}}],
+    }
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "sweep.json").write_text(json.dumps(document))
+    page = tmp_path / "RELEASES.md"
+    command = [sys.executable, "-m", "matrix", "releases", "-o", str(page), "--from", str(tmp_path / "sweep")]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.strip() == "python -m matrix releases: nothing ran in pkg 0.21.1: no verdict there"
+    assert f"nothing ran in 0.21.1: 1 cell skipped: {missing}" in page.read_text()

@@ -69,7 +69,7 @@ def test_results_json_follows_the_schema(tmp_path):
     directory = write_report(tmp_path, results_document(RUN, ENV, records(), (), table()))
     document = json.loads((directory / "results.json").read_text())
     jsonschema.validate(document, SCHEMA)
-    assert document["counts"] == {"passed": 1, "known": 0, "fixed": 0, "failed": 2, "skipped": 1}
+    assert document["counts"] == {"passed": 1, "known": 0, "fixed": 0, "inapplicable": 0, "failed": 2, "skipped": 1}
     assert document["signatures"][SIG.id]["cells"] == [
         "tiny-transformer-bf16-mixed-eval-cpu-torch",
         "tiny-transformer-bf16-mixed-train-cpu-torch",

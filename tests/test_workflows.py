@@ -466,6 +466,7 @@ def test_three_shards_merge_into_every_cell_and_the_gate_passes(sharded, first_n
     document = json.loads((done["merged"] / "results.json").read_text())
     assert len(document["cells"]) == 4 and document["missing"] == [] and not document["run"]["incomplete"]
     assert [m["shard"] for m in document["run"]["merged_from"]] == ["1/3", "2/3", "3/3"]
+    assert document["run"]["order_seed"] == int(RUN_ID)  # every shard shuffled its cells by the run's id
     assert "# Mixed-precision matrix" in done["summary"], "summary.md goes to the job summary"
     code, log = gate(sharded, workspace, "0", "", "false")
     assert code == 0, log

@@ -12,6 +12,8 @@ device whether a failure left its process unusable.
 
 from __future__ import annotations
 
+import functools
+
 from matrix.devices.base import DEVICES, PER_WORKER, Device, register, resolve_index
 from matrix.registry import load_modules
 
@@ -22,6 +24,17 @@ def poisoning_error(message: str | None) -> str | None:
     return next((found for device in DEVICES.values() if (found := device.poisoning_error(message))), None)
 
 
+@functools.cache
+def hardware_facts(index: int = 0) -> dict:
+    """What decides a kernel on this machine, from every device (Device.hardware_facts): the
+    facts catalogue conditions read (matrix/conditions.py) and every report records. Read once
+    per process (cache_clear() after changing what they read)."""
+    facts: dict = {}
+    for device in DEVICES.values():
+        facts.update(device.hardware_facts(index))
+    return facts
+
+
 load_modules(__name__)
 
-__all__ = ["DEVICES", "PER_WORKER", "Device", "poisoning_error", "register", "resolve_index"]
+__all__ = ["DEVICES", "PER_WORKER", "Device", "hardware_facts", "poisoning_error", "register", "resolve_index"]

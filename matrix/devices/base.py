@@ -64,6 +64,11 @@ class Device(abc.ABC):
         """What every report's environment records of this device type on this machine."""
         return {}
 
+    def hardware_facts(self, index: int | None) -> dict:
+        """What decides a kernel on this machine, as this device type knows it (flat keys the
+        conditions of matrix/conditions.py read): the report's environment.hardware."""
+        return {}
+
     def warnings(self, index: int | None) -> list[str]:
         """Traps on this machine a reader of the report should know about."""
         return []

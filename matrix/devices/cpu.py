@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
 import platform
+import sys
 from pathlib import Path
 
 from matrix.devices.base import Device, no_autocast_reason, register
@@ -21,6 +24,50 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# torch.cpu's probes of the CPU's own features (cpuinfo), whatever torch dispatches on
+CPU_FEATURE_PROBES = {
+    "cpu_avx2": "_is_avx2_supported",
+    "cpu_avx512": "_is_avx512_supported",
+    "cpu_avx512_bf16": "_is_avx512_bf16_supported",
+    "cpu_vnni": "_is_vnni_supported",
+    "cpu_amx_tile": "_is_amx_tile_supported",
+    "cpu_amx_fp16": "_is_amx_fp16_supported",
+}
+BITSANDBYTES_CPU_LIBRARY = {"linux": "libbitsandbytes_cpu.so", "darwin": "libbitsandbytes_cpu.dylib"}
+
+
+def bitsandbytes_avx512_bf16() -> tuple[bool | None, str]:
+    """bitsandbytes' own answer to "has this CPU AVX512-BF16?" (its 4-bit layers repack their
+    weights for its CPU kernel when it says yes), and where the answer came from. Imported, its
+    has_avx512bf16() (so a test that patched it is seen); else the same native function read from
+    its CPU library, without importing bitsandbytes (which takes seconds)."""
+    module = sys.modules.get("bitsandbytes.functional")
+    if module is not None:
+        return bool(module.has_avx512bf16()), "bitsandbytes.functional.has_avx512bf16()"
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "bitsandbytes is not installed"
+    name = BITSANDBYTES_CPU_LIBRARY.get(sys.platform, "libbitsandbytes_cpu.dll")
+    library = Path(next(iter(spec.submodule_search_locations))) / name
+    try:
+        return bool(ctypes.CDLL(str(library)).has_avx512bf16_cpu()), f"{name}: has_avx512bf16_cpu()"
+    except (OSError, AttributeError) as error:
+        return None, f"{name}: not readable ({error})"
+
+
+def cpu_hardware_facts() -> dict:
+    """The CPU capability torch dispatches on (ATEN_CPU_CAPABILITY lowers it), the CPU's own
+    features, and what bitsandbytes detects."""
+    import torch
+
+    facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    for key, probe in CPU_FEATURE_PROBES.items():
+        function = getattr(torch.cpu, probe, None)
+        facts[key] = bool(function()) if function is not None else None
+    facts["bitsandbytes_cpu_avx512_bf16"], facts["bitsandbytes_detection"] = bitsandbytes_avx512_bf16()
+    return facts
+
+
 class CPU(Device):
     name = "cpu"
     axis_position = 0
@@ -31,6 +78,9 @@ class CPU(Device):
 
     def device_name(self, index: int) -> str | None:
         return cpu_name()
+
+    def hardware_facts(self, index: int | None) -> dict:
+        return cpu_hardware_facts()
 
 
 register(CPU())

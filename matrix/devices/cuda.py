@@ -155,6 +155,14 @@ class CUDA(Device):
             "env": {name: os.environ.get(name) for name in CUDA_ENV_VARS},
         }
 
+    def hardware_facts(self, index: int | None) -> dict:
+        gpus = cuda_devices()
+        return {
+            "cuda_compute_capabilities": [gpu["compute_capability"] for gpu in gpus],
+            "cuda_device_names": [gpu["name"] for gpu in gpus],
+            "selected_cuda_device": (index or 0) if gpus else None,
+        }
+
     def warnings(self, index: int | None) -> list[str]:
         gpus = cuda_devices()
         return gpu_warnings(gpus, index if gpus else None)

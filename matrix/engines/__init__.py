@@ -4,6 +4,7 @@ library. The files, and the engines each registers, in the axis' order:
 
   base.py          - what an engine supplies (Engine; Loop, LibraryLoop: who owns the loop), the
                      ENGINES registry, and the check that the harness can see into an engine's runs
+  traits.py        - ENGINE_TRAITS: what an engine's library does that catalogue entries select by
   torch_loop.py    - `torch`: torch.autocast and GradScaler around a hand-written loop; its
                      checkpoint format, which ddp shares; `torch-compile`, its compiled twin
   accelerate_loop.py - `accelerate`: Accelerator(mixed_precision=...), prepare, save_state /

@@ -86,6 +86,7 @@ class AccelerateFSDP2Engine(DistributedEngine, GatheredWeights, Loop):
     description = "accelerate's FSDP2 path: prepare (fully_shard per layer, fp32 master weights), save_state/load_state"
     Run = AccelerateFSDP2Run
     forward_autocasts = True
+    traits = frozenset({"casts-parameters"})  # fsdp2_prepare_model's MixedPrecisionPolicy param_dtype
     requires = ("accelerate",)
     compile_how = "Accelerator(dynamo_backend='inductor'): prepare() compiles the sharded model"
     converts_float8 = True  # mixed_precision='fp8' with AORecipeKwargs: prepare() converts, then shards

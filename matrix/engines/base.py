@@ -50,9 +50,11 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import enum
+import inspect
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 
@@ -67,7 +69,7 @@ from matrix.measurements import (
     train_step,
 )
 from matrix.models.base import EvalOutput
-from matrix.precisions import Precision, dtype_name
+from matrix.precisions import PRECISIONS, Precision, dtype_name
 from matrix.registry import RegistrationError, Registry
 from matrix.schedule import SCHEDULE
 
@@ -99,17 +101,121 @@ class Steps:
 @dataclass(frozen=True)
 class EngineSettings:
     """What a precision is called in an engine's library, typed. as_dict() is the record's
-    `engine_settings`: every field that is not None, and one declared with metadata=ALWAYS even so."""
+    `engine_settings`: every field that is not None, and one declared with metadata=ALWAYS even so,
+    each as recordable() writes it (a torch.dtype by its name, a device or a path as a string).
+    A field holding what a report cannot record raises SettingsUnrecordable, naming it."""
 
     def as_dict(self) -> dict:
         return {
-            f.name: getattr(self, f.name)
+            f.name: recordable(getattr(self, f.name), f"{type(self).__name__}.{f.name}")
             for f in dataclasses.fields(self)
             if getattr(self, f.name) is not None or f.metadata == ALWAYS
         }
 
 
 ALWAYS = {"recorded": "always"}  # field(default=..., metadata=ALWAYS): a settings field written even when None
+RECORDED_TENSOR_NUMBERS = 64  # a tensor in settings is recorded as its numbers up to this many
+
+
+class SettingsUnrecordable(RegistrationError):
+    """An engine's settings hold a value a report cannot record (a method, an object)."""
+
+
+def recordable(value, where: str):
+    """`value` as results.json records it: JSON's own types as they are; a torch.dtype by its
+    name ("bfloat16"), a torch.device, a path or an enum member as a string; a tensor of up to
+    RECORDED_TENSOR_NUMBERS numbers as its numbers; lists, tuples, dicts and dataclasses of these
+    alike. Anything else raises SettingsUnrecordable naming `where`."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, (torch.device, PurePath)):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.Tensor) and value.numel() <= RECORDED_TENSOR_NUMBERS:
+        return value.detach().cpu().tolist()
+    if isinstance(value, (list, tuple)):
+        return [recordable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {str(k): recordable(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: recordable(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
+    what = f"a value of type {type(value).__name__}"
+    if inspect.ismethod(value) or inspect.isfunction(value):
+        owner = type(value.__self__).__name__ + "." if inspect.ismethod(value) else ""
+        what = f"the method {owner}{value.__name__}, not what it returns"
+        if isinstance(getattr(value, "__self__", None), Precision) and value.__name__ == "autocast":
+            what += " (the autocast dtype is precision.autocast_dtype)"
+    elif isinstance(value, torch.Tensor):
+        what = f"a tensor of {value.numel()} numbers (more than {RECORDED_TENSOR_NUMBERS})"
+    raise SettingsUnrecordable(
+        f"{where} holds {what}, which a report cannot record: settings hold str, int, float, bool, "
+        "None, torch.dtype, torch.device, paths, enums, small tensors, or lists, dicts and dataclasses of them"
+    )
+
+
+class EngineContractBroken(checks.CheckFailure):
+    """An engine's method returned what the harness cannot take (step(), evaluate())."""
+
+
+def written_by(method) -> str:
+    """Where an engine's method is defined (its file and line): what a contract failure's details
+    name, so that the report points at the user's code."""
+    function = getattr(method, "__func__", method)
+    code = getattr(function, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{getattr(function, '__qualname__', repr(function))}{where}"
+
+
+def loss_value(loss, where: str, method=None) -> float:
+    """A step's loss as a float: a Python number, or a tensor holding one number (a 0-dim
+    `loss.detach()` is taken as its value, as `loss.item()` would give it)."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not loss.is_complex():
+        return float(loss.detach().float().item())
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return float(loss)
+    what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    raise EngineContractBroken(
+        f"{where} returned {what} as its loss, not a number (a float or a one-number tensor)",
+        details=None if method is None else f"{written_by(method)} returned {loss!r:.300}",
+    )
+
+
+def step_result(taken, method) -> tuple[float, bool]:
+    """A hand-written loop's step() result, checked: (loss, applied), the loss a number (a
+    one-number tensor taken as its float), applied a bool (or a one-element bool tensor)."""
+    details = f"{written_by(method)} returned {taken!r:.300}"
+    if not isinstance(taken, tuple) or len(taken) != 2:
+        what = f"a tuple of {len(taken)}" if isinstance(taken, tuple) else f"a {type(taken).__name__}"
+        raise EngineContractBroken(f"step() returned {what}, not (loss, applied)", details=details)
+    loss, applied = taken
+    if isinstance(applied, torch.Tensor) and applied.numel() == 1 and applied.dtype == torch.bool:
+        applied = bool(applied.item())
+    if not isinstance(applied, bool):
+        raise EngineContractBroken(
+            f"step() returned a {type(applied).__name__} as applied, not a bool (whether the optimizer step was taken)",
+            details=details,
+        )
+    return loss_value(loss, "step()", method), applied
+
+
+def evaluation_result(result, method, where: str = "evaluate()") -> EvalOutput:
+    """An engine's evaluation, checked: an EvalOutput whose loss and logits are tensors."""
+    details = f"{written_by(method)} returned {result!r:.300}"
+    if not isinstance(result, EvalOutput):
+        raise EngineContractBroken(
+            f"{where} returned a {type(result).__name__}, not the kind's EvalOutput", details=details
+        )
+    for name in ("loss", "logits"):
+        value = getattr(result, name)
+        if not isinstance(value, torch.Tensor):
+            raise EngineContractBroken(
+                f"{where} returned an EvalOutput whose {name} is a {type(value).__name__}, not a tensor",
+                details=details,
+            )
+    return result
 
 
 class EngineIncomplete(RegistrationError):
@@ -161,6 +267,10 @@ class Engine(abc.ABC):
     compile_how: str | None = None
     compiled = False
     eager_twin: str | None = None  # a compiled twin's engine: the catalogue selects it as that engine
+    # What the library does that catalogue entries select by (engines/traits.py ENGINE_TRAITS); the
+    # compiled twin has them and `compiled_traits` too. A user's engine declaring none gets none.
+    traits: frozenset[str] = frozenset()
+    compiled_traits: frozenset[str] = frozenset()
     # True: the library converts the model to float8 itself (accelerate's fp8 with torchao); else
     # the harness converts it before start(), as users of the library do (matrix/float8.py)
     converts_float8 = False
@@ -339,6 +449,7 @@ def compiled_twin(engine: Engine) -> Engine:
         raise RegistrationError(f"engine {engine.name!r} says nothing of how its library compiles (compile_how)")
     twin = copy.copy(engine)
     twin.name, twin.compiled, twin.eager_twin = f"{engine.name}-compile", True, engine.name
+    twin.traits = engine.traits | engine.compiled_traits
     twin.description = f"{engine.description}; compiled: {engine.compile_how}"
     return twin
 
@@ -347,6 +458,23 @@ def check_complete(engine: Engine) -> None:
     problems = engine.incomplete()
     if problems:
         raise EngineIncomplete(f"engine {engine.name!r}: the harness cannot see into its runs: " + "; ".join(problems))
+    check_settings_recordable(engine)
+
+
+def check_settings_recordable(engine: Engine) -> None:
+    """Every registered precision's settings in this engine can be recorded, or the engine is
+    refused now, in one line naming the field, before any cell runs. A derive_settings() that
+    raises is left to the cells of that precision, which record the error as their failure."""
+    for precision in PRECISIONS.values():
+        try:
+            derived = engine.derive_or_refuse(precision)
+        except Exception:  # raised again, and recorded, by each cell of this precision
+            continue
+        if isinstance(derived, EngineSettings):
+            try:
+                derived.as_dict()
+            except SettingsUnrecordable as exc:
+                raise SettingsUnrecordable(f"engine {engine.name!r}, precision {precision.name}: {exc}") from None
 
 
 ENGINES: Registry[Engine] = Registry("engine", Engine, check=check_complete)
@@ -406,7 +534,7 @@ class Loop(Engine):
         self.module(state, run).train()  # an evaluation left it in eval mode
 
         def step():
-            taken = self.step(state, run)
+            taken = step_result(self.step(state, run), self.step)
             state.step_ended(applied=taken[1])
             return taken
 
@@ -525,6 +653,7 @@ class LibraryLoop(Engine):
 
     def step_ended(self, state, run, loss: float) -> None:
         progress = run.progress
+        loss = loss_value(loss, "the library's step")  # a callback's loss.detach() too
         applied = self.live_applied(state, run)
         before = progress.applied_after[-1] if progress.applied_after else progress.applied_before
         state.step_ended(applied=applied > before)

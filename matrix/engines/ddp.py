@@ -34,6 +34,7 @@ class DDPSettings(EngineSettings):
 
 class DDPEngine(DistributedEngine, Loop):
     name = "ddp"
+    compiled_traits = frozenset({"compiles-under-autocast"})  # torch.compile(DDP(model)) called in the loop's autocast
     axis_position = 4
     description = "torch DistributedDataParallel, 2 ranks (gloo/nccl), autocast + GradScaler, compress hooks"
     compile_how = "torch.compile(DDP(model)), as DDP's docs say (Dynamo splits the graph at its buckets)"

@@ -140,7 +140,11 @@ def end_cell(state) -> None:
 
     group = rank_pool.pool(state.cell.device, world_size())
     if state.in_ranks and group.alive:
-        group.call("matrix.engines.distributed:rank_end_cell", timeout_s=60.0)
+        left = group.call("matrix.engines.distributed:rank_end_cell", timeout_s=60.0)
+        from matrix import global_state
+
+        for rank, leaks in enumerate(left):  # the ranks are reused by the next cell: theirs are this cell's too
+            global_state.left_in_another_process(f"rank {rank}", leaks or [])
 
 
 # ---------------------------------------------------------------- rank side
@@ -161,6 +165,9 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
 
     settle_garbage()
     importlib.import_module(kind_module)
+    from matrix import global_state
+
+    context.watch = global_state.Watch()  # this rank's process-global state, put back after the cell
     kind = MODELS[cell.model]
     if variant != kind.variant:
         kind = kind.with_variant(variant)
@@ -208,13 +215,17 @@ def rank_phase(context, phase: str) -> CellMetrics:
             exc.matrix_phase = phase
         exc.matrix_payload = state.metrics  # what this rank measured before it raised
         raise
+    finally:
+        context.watch.checkpoint(phase)
     return state.metrics
 
 
-def rank_end_cell(context) -> None:
+def rank_end_cell(context) -> list[dict]:
+    """The rank forgets the cell; what the cell left changed in this rank's process-global state
+    is put back, and returned (matrix/global_state.py Leak.as_dict())."""
     state, context.cell = context.cell, None
     if state is None:
-        return
+        return []
     try:
         for run in (state.run, state.restored):
             if run is not None:
@@ -223,6 +234,9 @@ def rank_end_cell(context) -> None:
     finally:
         restore_environment()
         state.hooks.remove()
+        leaks = context.watch.close("cleanup") if context.watch is not None else []
+        context.watch = None
+    return [leak.as_dict() for leak in leaks]
 
 
 # ---------------------------------------------------------------- rank-side helpers

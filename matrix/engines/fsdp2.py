@@ -57,6 +57,7 @@ def _dtype(name: str | None):
 
 class FSDP2Engine(DistributedEngine, GatheredWeights, Loop):
     name = "fsdp2"
+    traits = frozenset({"casts-parameters"})  # MixedPrecisionPolicy(param_dtype=...), autocast besides
     axis_position = 5
     description = "torch fully_shard (FSDP2) per layer, MixedPrecisionPolicy, DCP and full-state-dict checkpoints"
     Run = ShardedRun

@@ -196,8 +196,9 @@ class HFTrainerEngine(LibraryLoop):
         written = self.output(state) / f"checkpoint-{SCHEDULE.steps}"
         if not written.is_dir():
             self.fail(progress, "the Trainer wrote no checkpoint on its save schedule")
-        if state.group.writes:
-            directory.symlink_to(written, target_is_directory=True)
+        if state.group.writes:  # the harness made `directory`: the Trainer's checkpoint, file by file
+            for entry in written.iterdir():
+                (directory / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
         state.group.barrier()
 
     def export(self, state, run: TrainerRun, directory: Path, checkpoint: Path) -> Path:

@@ -123,6 +123,9 @@ def _lightning() -> types.SimpleNamespace:
 
 class LightningEngine(LibraryLoop):
     name = "lightning"
+    compiled_traits = frozenset(
+        {"compiles-under-autocast"}
+    )  # Lightning's precision plugin autocasts around the compiled module
     description = "Lightning Trainer(precision=...): fit with validation, ModelCheckpoint, resume"
     axis_position = 3
     Run = LightningRun

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from matrix.compiling import compile_module
+from matrix.compiling import compile_module, plain
 from matrix.engines.base import EngineSettings, Loop, LoopRun, register_with_compiled_twin
 from matrix.precisions import Precision, dtype_name
 
@@ -26,7 +26,7 @@ class TorchSettings(EngineSettings):
 def save_checkpoint(state, run: LoopRun, directory) -> None:
     """The model in its kind's own format, and the optimizer's and grad scaler's state beside it."""
     directory.mkdir(parents=True, exist_ok=True)
-    state.kind.save(run.model, directory)
+    state.kind.save(plain(run.model), directory)  # a kind saves the module, never torch.compile's wrapper
     if run.optimizer is not None:
         trainer_state = {"optimizer": run.optimizer.state_dict()}
         if run.scaler is not None:
@@ -51,6 +51,7 @@ def load_checkpoint(state, directory, training: bool) -> LoopRun:
 
 class TorchEngine(Loop):
     name = "torch"
+    compiled_traits = frozenset({"compiles-under-autocast"})  # the loop's autocast is around the compiled model
     description = "hand-written loop: torch.autocast, torch.amp.GradScaler, AdamW"
     axis_position = 0
     fixed_variant_fields = ()  # its step accumulates the precision's (or variant's) micro-batches

@@ -52,12 +52,18 @@ def accelerator_refusal(device_type: str, dtype: str) -> str | None:
 
 def import_deepspeed(state):
     """deepspeed, imported in the rank with its accelerator chosen for the cell's device (unless
-    the user chose one: DS_ACCELERATOR) and its per-step log lines quieted."""
+    the user chose one: DS_ACCELERATOR) and its per-step log lines quieted. The ops it builds on
+    first use are checked for a build lock a killed build left (matrix/extension_builds.py): in the
+    run's directory it is taken back, elsewhere StaleBuildLock fails the cell before it waits."""
     os.environ.setdefault("DS_ACCELERATOR", state.device.type)
     import deepspeed
     from deepspeed.utils import logger
 
+    from matrix.extension_builds import clear_stale_lock
+
     logger.setLevel(logging.WARNING)
+    for builder in ops_built_on_first_use(state.device.type):
+        clear_stale_lock(op_name(builder))
     return deepspeed
 
 
@@ -77,8 +83,19 @@ def record_effective(state, engine) -> None:
             "basic_optimizer": None if optimizer is None else type(basic_optimizer(optimizer)).__name__,
             "module_parameter_dtypes": sorted({dtype_name(p.dtype) for p in engine.module.parameters()}),
             "accelerator": os.environ["DS_ACCELERATOR"],
+            # the probe of catalogue condition optimizer-stepped-at-construction (matrix/conditions.py)
+            "optimizer_steps_at_construction": None if optimizer is None else steps_taken(basic_optimizer(optimizer)),
         }
     )
+
+
+def steps_taken(optimizer) -> int | None:
+    """The largest step count in a torch optimizer's state: 0 where it never stepped; None where
+    DeepSpeed holds no torch optimizer (ZeRO-3's inference engine, DeepSpeedZeRoOffload)."""
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, dict):
+        return None
+    return max((int(s["step"]) for s in state.values() if isinstance(s, dict) and "step" in s), default=0)
 
 
 def basic_optimizer(optimizer):
@@ -206,3 +223,47 @@ def check_declared(state, engine, plain, when: str) -> None:
     trained = {name: p for name, p in engine.module.named_parameters() if p.requires_grad}  # as DeepSpeed holds them
     checks.check_dtypes(trained, getattr(torch, half), f"{when}, the module's trained parameters ({half} enabled)")
     checks.check_dtypes(master_weights(engine), torch.float32, f"{when}, DeepSpeed's master weights")
+
+
+# ---------------------------------------------------------------- its ops built on first use
+
+
+def ops_built_on_first_use(device_type: str) -> tuple[str, ...]:
+    """The op builders DeepSpeed runs (torch's JIT extension builder) the first time a rank needs
+    them on this device type: on its CPU accelerator, the shared-memory collectives
+    (ShareMemCommBuilder, op deepspeed_shm_comm) that deepspeed.comm's TorchBackend loads in
+    init_distributed, in every rank of every cell (73 s to build the first time on a 2-core CPU,
+    a second to load after). None on CUDA: its cells use no JIT-built op (the config's torch_adam)."""
+    if device_type != "cpu":
+        return ()
+    try:
+        from deepspeed.ops.op_builder import cpu
+    except ImportError:  # a release without CPU op builders builds none
+        return ()
+    return tuple(name for name in ("ShareMemCommBuilder",) if hasattr(cpu, name))
+
+
+def build_variables(device_type: str) -> dict[str, str]:
+    """What the build's own process runs with: the accelerator whose builders these are."""
+    return {"DS_ACCELERATOR": device_type}
+
+
+def op_name(builder: str) -> str:
+    """The op a builder makes (its directory under TORCH_EXTENSIONS_DIR): deepspeed_shm_comm."""
+    from deepspeed.ops.op_builder import cpu
+
+    return getattr(cpu, builder).NAME
+
+
+def build_op(builder: str) -> bool:
+    """Build (or load, where built) one op as DeepSpeed itself does in a rank, in a process whose
+    DS_ACCELERATOR is the cell's device type; False where this release or machine does not use it
+    (DeepSpeed then goes without, as its build_shm_op does)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    made = get_accelerator().create_op_builder(builder)
+    if made is None or not deepspeed.ops.__compatible_ops__.get(made.NAME, False):
+        return False
+    made.load(verbose=False)
+    return True

@@ -23,9 +23,9 @@ through every precision, mode, device and engine like the built-in ones.
 
 from __future__ import annotations
 
-from matrix.models.base import MODELS, ModelKind, register
+from matrix.models.base import MODELS, EvalOutput, ModelKind, register
 from matrix.registry import load_modules
 
 load_modules(__name__, skip=("base", "causal_lm", "hf", "hf_shrink"))
 
-__all__ = ["MODELS", "ModelKind", "register"]
+__all__ = ["MODELS", "EvalOutput", "ModelKind", "register"]

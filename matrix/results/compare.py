@@ -6,6 +6,10 @@ failure whose signature changed is in `signature-changed` and `known-stopped`):
   new                failed now (no catalogue entry explains it); passed, fixed, skipped or
                      absent before
   fixed              failing before (failed or known); passes now
+  inapplicable       not applicable now: the cell passes where a catalogue entry selects it but the
+                     entry's hardware condition does not hold on the new run's machine (a bug's
+                     path this hardware does not take), and it was anything else before; neither
+                     fixed nor new
   signature-changed  failing in both runs, with different signatures
   added / removed    a cell only in the new / only in the old run
   missing            selected by the new run (merged: planned for one of its shards) but never
@@ -21,6 +25,13 @@ failure whose signature changed is in `signature-changed` and `known-stopped`):
                      some step (the row the cell records: matrix/curves.py); named by that step.
                      Against golden curves (matrix/golden/, a slim run) it is what a release did
                      to training
+  order-flip         the runs ran their cells in different orders (--order-seed), the cell's
+                     verdict (outcome or signature) changed, and a cell of either run left
+                     process-global state changed that the harness could not put back (its
+                     `leaked_state`, restored false): named with it, the flip is not counted as
+                     new, fixed or changed. A leak that was put back cannot reach the next cell,
+                     so it explains nothing; a changed verdict between differently ordered runs
+                     without such a leak stays in its own category, marked `order_differs`
 
 The gate (exit status 1) is `new` and `missing` unless --fail-on names other categories. Standard library
 only: a diff must not need the stack that produced the runs.
@@ -38,6 +49,7 @@ from matrix.results.metrics import CellMetrics, Tolerance
 CATEGORIES = (
     "new",
     "fixed",
+    "inapplicable",
     "signature-changed",
     "added",
     "removed",
@@ -47,6 +59,7 @@ CATEGORIES = (
     "skipped",
     "drift",
     "curve-moved",
+    "order-flip",
 )
 DEFAULT_FAIL_ON = ("new", "missing")
 # Drift is growth of a cell's |loss - fp32 loss| by more than this fraction of what its
@@ -98,6 +111,7 @@ def _run_summary(document: dict, source: str) -> dict:
         "gpus": [gpu.get("name") for gpu in env.get("cuda_devices") or []],
         "cells": len(document["cells"]),
         "incomplete": bool(run.get("incomplete")),
+        "order_seed": run.get("order_seed"),
     }
 
 
@@ -122,6 +136,21 @@ def _brief(cell: dict | None) -> dict | None:
         "known_failure": (cell.get("known_failure") or {}).get("id"),
         "skip_reason": cell.get("skip_reason"),
     }
+
+
+def _verdict(cell: dict) -> tuple:
+    return cell["outcome"], _signature_id(cell)
+
+
+def unrestored_leaks(document: dict, side: str) -> list[dict]:
+    """The cells of a run that left process-global state the harness could not put back: what
+    can reach the cells after them in their process."""
+    found = []
+    for cell in document["cells"]:
+        settings = [leak["setting"] for leak in cell.get("leaked_state") or [] if not leak.get("restored", True)]
+        if settings:
+            found.append({"run": side, "cell": cell["id"], "settings": settings})
+    return found
 
 
 def _number(value) -> float | None:
@@ -187,6 +216,9 @@ def diff(old: dict, new: dict, *, old_source: str = "", new_source: str = "", dr
             {"cell": cell_id, "old": _brief(before.get(cell_id)), "new": _brief(after.get(cell_id)), **extra}
         )
 
+    order_differs = old["run"].get("order_seed") != new["run"].get("order_seed")
+    leaking = unrestored_leaks(old, "old") + unrestored_leaks(new, "new") if order_differs else []
+
     for cell_id in sorted(missing):
         add("missing", cell_id, shard=missing[cell_id]["shard"])
     for cell_id in sorted(before.keys() | after.keys()):
@@ -200,14 +232,21 @@ def diff(old: dict, new: dict, *, old_source: str = "", new_source: str = "", dr
         elif now is None:
             add("removed", cell_id)
             changed = True
+        flipped = bool(leaking) and was is not None and now is not None and _verdict(was) != _verdict(now)
         if now is not None and now["outcome"] == "failed" and (was is None or was["outcome"] != "failed"):
-            if not (was is not None and was["outcome"] == "known"):
-                add("new", cell_id)
+            if not (was is not None and was["outcome"] == "known") and not flipped:
+                add("new", cell_id, **({"order_differs": True} if order_differs and was is not None else {}))
                 changed = True
         if was is None or now is None:
             continue
+        if flipped:
+            add("order-flip", cell_id, leaking=leaking)  # the order, not the stack, can explain it
+            continue
         if was["outcome"] in FAILING and now["outcome"] in ("passed", "fixed"):
             add("fixed", cell_id)
+            changed = True
+        if now["outcome"] == "inapplicable" and was["outcome"] != "inapplicable":
+            add("inapplicable", cell_id, entry=(now.get("known_failure") or {}).get("id"))
             changed = True
         if was["outcome"] in FAILING and now["outcome"] in FAILING and _signature_id(was) != _signature_id(now):
             add("signature-changed", cell_id)
@@ -242,6 +281,10 @@ def _md(text) -> str:
     return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ").replace("`", "'")
 
 
+def _order(run: dict) -> str:
+    return "selection's" if run.get("order_seed") is None else f"--order-seed {run['order_seed']}"
+
+
 def _side(brief: dict | None) -> str:
     if brief is None:
         return "absent"
@@ -256,6 +299,7 @@ def _side(brief: dict | None) -> str:
 HEADINGS = {
     "new": "New failures (failed now; passed, skipped or absent before)",
     "fixed": "Fixed (failing before, passing now)",
+    "inapplicable": "Not applicable here now (an entry's hardware condition does not hold on the new run's machine)",
     "signature-changed": "Signature changed (failing in both runs)",
     "added": "Cells added",
     "removed": "Cells removed",
@@ -265,6 +309,7 @@ HEADINGS = {
     "skipped": "Newly skipped (ran before, skipped now)",
     "drift": f"Numeric drift (deviation from fp32 grew by more than {DRIFT_FRACTION:.0%} of the tolerance)",
     "curve-moved": "Loss curves that moved (the new curve left the old one's row)",
+    "order-flip": "Order flips (another cell order, and a cell that left global state it could not put back)",
 }
 
 
@@ -315,6 +360,7 @@ def diff_markdown(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:
         f"| version stack | {_md(old['stack'] or '-')} | {_md(new['stack'] or '-')} |",
         f"| commit | {_md((old['git_commit'] or '-')[:12])} | {_md((new['git_commit'] or '-')[:12])} |",
         f"| GPUs | {_md(', '.join(old['gpus']) or 'none')} | {_md(', '.join(new['gpus']) or 'none')} |",
+        f"| cell order | {_order(old)} | {_order(new)} |",
         f"| cells | {old['cells']}{' (incomplete)' if old['incomplete'] else ''} "
         f"| {new['cells']}{' (incomplete)' if new['incomplete'] else ''} |",
     ]
@@ -328,6 +374,14 @@ def diff_markdown(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:
             headers, row = TABLES[category]
             lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
             lines += ["| " + " | ".join(row(i)) + " |" for i in items]
+        elif category == "order-flip":
+            lines += ["| cell | old | new | left global state changed |", "|---|---|---|---|"]
+            lines += [
+                f"| `{i['cell']}` | {_side(i['old'])} | {_side(i['new'])} | "
+                + "; ".join(f"{x['run']} `{x['cell']}`: {_md(', '.join(x['settings']))}" for x in i["leaking"])
+                + " |"
+                for i in items
+            ]
         elif category in ("known-started", "known-stopped"):
             lines += ["| entry | cell | old | new |", "|---|---|---|---|"]
             lines += [
@@ -337,6 +391,13 @@ def diff_markdown(result: Diff, fail_on=DEFAULT_FAIL_ON) -> str:
         else:
             lines += ["| cell | old | new |", "|---|---|---|"]
             lines += [f"| `{i['cell']}` | {_side(i['old'])} | {_side(i['new'])} |" for i in items]
+        if any(i.get("order_differs") for i in items):
+            lines += [
+                "",
+                "The two runs ran their cells in different orders and no cell left state it could not put back: "
+                "re-run a cell alone (its `rerun` command) to tell a regression from an order dependence the "
+                "harness does not see.",
+            ]
     new_signatures = {i["new"]["signature"]: i["new"]["signature_text"] for i in result.changes["new"]}
     if new_signatures:
         lines += ["", "### New signatures", ""]

@@ -10,7 +10,7 @@ Standard library only.
 
 from __future__ import annotations
 
-from matrix.results.files import known_failure_keys
+from matrix.results.files import hardware_line, known_failure_keys
 from matrix.results.markdown import _md, grouped
 
 HF_PREFIX = "hf:"
@@ -37,6 +37,8 @@ def outcome_mark(cell: dict, known_keys: dict[str, str]) -> str:
         return f"⚠️ {known_keys[cell['known_failure']['id']]}"
     if outcome == "fixed":
         return f"❗ {known_keys[cell['known_failure']['id']]}"
+    if outcome == "inapplicable":
+        return f"➖ {known_keys[cell['known_failure']['id']]}"
     return "⏭️"
 
 
@@ -64,22 +66,28 @@ def compatibility_markdown(document: dict, title: str | None = None) -> str | No
     stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
     known_keys = known_failure_keys(document)
     counts = architecture_counts(cells)
-    outcomes = {o: sum(c["outcome"] == o for c in cells) for o in ("passed", "known", "fixed", "failed", "skipped")}
+    outcomes = {
+        o: sum(c["outcome"] == o for c in cells)
+        for o in ("passed", "known", "fixed", "inapplicable", "failed", "skipped")
+    }
     lines = [
         f"# {title or 'Architecture compatibility'}: run {run['id']}",
         "",
         f"**{counts['architectures']} architectures: {counts['built']} built, {counts['all passed']} passed every "
         f"cell that ran, {counts['with known failures']} with known failures, {counts['with new failures']} with "
         f"new failures.** {len(cells)} cells: {outcomes['passed']} passed, {outcomes['known']} known, "
-        f"{outcomes['fixed']} fixed, {outcomes['failed']} new, {outcomes['skipped']} skipped, in "
+        f"{outcomes['fixed']} fixed, "
+        + (f"{outcomes['inapplicable']} not applicable here, " if outcomes["inapplicable"] else "")
+        + f"{outcomes['failed']} new, {outcomes['skipped']} skipped, in "
         f"{run.get('duration_s', 0):.0f} s.",
         "",
         f"- command: `{run['command']}`",
         f"- stack: {stack}",
-        f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs",
+        f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs ({hardware_line(env)})",
         "",
         "✅ passed · ⚠️ K*n* a known failure (the catalogue entry below) · ❌ `sig-…` a new failure · "
-        "❗ K*n* the entry says it fails but it passed · ⏭️ skipped. Columns where every cell skipped "
+        "❗ K*n* the entry says it fails but it passed · ➖ K*n* passed, the entry does not apply on this "
+        "machine's hardware · ⏭️ skipped. Columns where every cell skipped "
         "(a precision no engine here runs) are left out; the skip reasons are listed below.",
     ]
     ran = [c for c in cells if c["outcome"] != "skipped"]
@@ -145,7 +153,7 @@ def compatibility_markdown(document: dict, title: str | None = None) -> str | No
             lines.append(f"- {len(group)} cells: {_md(reason)}")
 
     if document.get("known_failures"):
-        used = {c["known_failure"]["id"] for c in cells if c["outcome"] in ("known", "fixed")}
+        used = {c["known_failure"]["id"] for c in cells if c["outcome"] in ("known", "fixed", "inapplicable")}
         if used:
             lines += ["", "## Catalogue entries", ""]
             for entry_id, entry in document["known_failures"].items():

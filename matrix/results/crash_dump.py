@@ -207,8 +207,11 @@ def _cut(text: str, lines: list[str], limit: int, newline: str) -> str:
 
 
 def crash_origin(stacks: str) -> str:
-    """The innermost frame of the thread that crashed, in a faulthandler dump, as module:function."""
+    """The innermost frame of the thread that crashed, in a faulthandler dump, as module:function;
+    in a Python traceback (pytest's internal error), its last frame."""
     lines = stacks.splitlines()
+    if not is_faulthandler_dump(stacks):
+        lines = lines[::-1]  # most recent call last
     current = next((n for n, line in enumerate(lines) if line.startswith("Current thread")), 0)
     for line in lines[current:]:
         line = line.strip()

@@ -21,13 +21,16 @@ def signature_index(records: list[dict]) -> dict[str, dict]:
 
 
 def known_failure_index(records: list[dict]) -> dict[str, dict]:
-    """Catalogue entry id -> the entry and the cells it explained (known) or missed (fixed)."""
+    """Catalogue entry id -> the entry and the cells it explained (known), missed (fixed) or
+    selected where its hardware condition does not hold (inapplicable)."""
     index: dict[str, dict] = {}
+    bucket = {"fixed": "fixed_cells", "inapplicable": "inapplicable_cells"}
     for record in records:
         known = record.get("known_failure")
         if known:
-            entry = index.setdefault(known["id"], {**known, "cells": [], "fixed_cells": []})
-            entry["fixed_cells" if record["outcome"] == "fixed" else "cells"].append(record["id"])
+            fields = {key: value for key, value in known.items() if key != "not_holding"}  # per cell
+            entry = index.setdefault(known["id"], {**fields, "cells": [], "fixed_cells": [], "inapplicable_cells": []})
+            entry[bucket.get(record["outcome"], "cells")].append(record["id"])
     return index
 
 

@@ -18,7 +18,8 @@ SCHEMA_FILE = Path(__file__).with_name("results.schema.json")  # the JSON Schema
 # 4 added per-cell placement and rerun, shards; 5 the per-cell traceback (None where a file has none)
 READABLE_SCHEMA_VERSIONS = (3, 4, SCHEMA_VERSION)
 # What every cell record holds: its axes (matrix/cell.py) and one of the outcomes.
-OUTCOMES = ("passed", "known", "fixed", "failed", "skipped")
+# inapplicable: passed where an entry's hardware condition does not hold here (not applicable here)
+OUTCOMES = ("passed", "known", "fixed", "inapplicable", "failed", "skipped")
 CELL_FIELDS = ("id", *AXES, "outcome", "signature", "metrics")
 
 
@@ -94,10 +95,31 @@ def check(document, file: Path) -> None:
             isinstance(signature, dict) and isinstance(signature.get("id"), str)
         ):
             fail(f"{where}.signature", f"a {cell['outcome']} cell needs a signature with an id")
-        if cell["outcome"] in ("known", "fixed") and not isinstance(cell.get("known_failure"), dict):
+        if cell["outcome"] in ("known", "fixed", "inapplicable") and not isinstance(cell.get("known_failure"), dict):
             fail(f"{where}.known_failure", f"a {cell['outcome']} cell needs its catalogue entry")
         if not isinstance(cell["metrics"], dict):
             fail(f"{where}.metrics", "not an object")
+
+
+CPU_FEATURES = (("cpu_avx512_bf16", "AVX512-BF16"), ("cpu_amx_tile", "AMX"), ("cpu_vnni", "VNNI"))
+
+
+def hardware_line(env: dict) -> str:
+    """What decided the kernels on the machine, in words (environment.hardware): the capability
+    torch dispatched its CPU kernels on, the CPU's own features, what bitsandbytes detected. The
+    GPUs' compute capability is in the GPU list beside it."""
+    facts = env.get("hardware") or {}
+    if not facts:
+        return "kernel-deciding hardware not recorded"
+    features = [name for key, name in CPU_FEATURES if facts.get(key)]
+    parts = [
+        f"torch dispatches on {facts.get('cpu_capability') or 'unknown'}",
+        "CPU has " + (", ".join(features) if features else "none of " + ", ".join(n for _, n in CPU_FEATURES)),
+    ]
+    detected = facts.get("bitsandbytes_cpu_avx512_bf16")
+    if detected is not None:
+        parts.append(f"bitsandbytes detects AVX512-BF16: {'yes' if detected else 'no'}")
+    return "; ".join(parts)
 
 
 def known_failure_keys(document: dict) -> dict[str, str]:

@@ -19,7 +19,7 @@ import math
 import re
 from urllib.parse import quote, urlsplit
 
-from matrix.results.files import AXES, OUTCOMES, known_failure_keys
+from matrix.results.files import AXES, OUTCOMES, hardware_line, known_failure_keys
 from matrix.results.metrics import CellMetrics, Curve, CurveComparison, at_step, given, recorded_float
 from matrix.results.reach import Reach, reach
 
@@ -50,6 +50,7 @@ table.grid td a:hover { outline: 2px solid #333; }
 .outcome-known { background: #ffe08a; color: #6b4a00; }
 .outcome-failed { background: #f4a6a6; color: #7a0000; font-weight: 700; }
 .outcome-fixed { background: #cbb8f0; color: #3b1c7a; font-weight: 700; }
+.outcome-inapplicable { background: #eef3f8; color: #345; font-style: italic; }
 .outcome-skipped { background: #e4e4e4; color: #666; }
 .outcome-other { background: #fff; color: #333; outline: 1px dashed #888; }
 td.empty { background: repeating-linear-gradient(45deg, #fff, #fff 4px, #f0f0f0 4px, #f0f0f0 8px); }
@@ -428,16 +429,19 @@ def header(document: dict, shown: Reach) -> str:
             f"<code>{esc(run['stack'])}</code>" if run.get("stack") else "none (an environment of its own)",
         ),
         ("project commit", commit),
-        ("machine", f"{esc(env.get('cpu'))}, {esc(env.get('cpu_count'))} CPUs"),
+        ("machine", f"{esc(env.get('cpu'))}, {esc(env.get('cpu_count'))} CPUs ({esc(hardware_line(env))})"),
         ("GPUs", "<br>".join(map(esc, gpus)) or "no CUDA device"),
     ]
     if run.get("shard"):
         rows.append(("shard", esc(run["shard"])))
+    if run.get("order_seed") is not None:
+        rows.append(("cell order", f"shuffled by <code>--order-seed {esc(run['order_seed'])}</code>"))
     if run.get("merged_from"):
         rows.append(("merged", f'from {len(run["merged_from"])} runs, <a href="#merged-from">listed below</a>'))
     labels = (
         ("failed", "new failures"),
         ("fixed", "fixed"),
+        ("inapplicable", "not applicable here"),
         ("known", "known"),
         ("passed", "passed"),
         ("skipped", "skipped"),
@@ -488,6 +492,9 @@ def cell_label(cell: dict, known_keys: dict) -> tuple[str, str]:
         return str(key), f"known failure {entry.get('id')}: {signature.get('text')}"
     if outcome == "fixed":
         return f"fixed {key}", f"passed, although {entry.get('id')} says it fails: {entry.get('title')}"
+    if outcome == "inapplicable":
+        unmet = ", ".join(entry.get("not_holding") or []) or "its hardware condition"
+        return f"n/a {key}", f"passed; {entry.get('id')} does not apply on this machine ({unmet} does not hold)"
     if outcome == "skipped":
         return "skip", f"skipped: {cell.get('skip_reason')}"
     return str(outcome), str(outcome)
@@ -552,6 +559,7 @@ def grids(document: dict, known_keys: dict, shown: Reach) -> str:
             ("known", "K<i>n</i> known failure"),
             ("failed", "sig-… new failure"),
             ("fixed", "fixed K<i>n</i>: passes, the catalogue says it fails"),
+            ("inapplicable", "n/a K<i>n</i>: the entry's hardware condition does not hold here"),
             ("skipped", "skip"),
         )
     )
@@ -609,6 +617,8 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
                 ),
             )
         )
+    if cell.get("leaked_state"):
+        rows.append(("left global state changed", leaks_table(cell["leaked_state"])))
     rerun = cell.get("rerun") or f"pytest 'cases/test_cells.py::test_cell[{cell['id']}]'"
     rows.append(("re-run", f"<pre>{pre_text(rerun)}</pre>"))
     curve = curve_figure(cell.get("metrics"))
@@ -663,7 +673,7 @@ def kind_setups_section(document: dict) -> str:
         [
             [
                 esc(s.get("kind")),
-                "train and eval" if s.get("training") else "eval",
+                esc(s.get("for") or ("train and eval" if s.get("training") else "eval")),  # a library's: its engines'
                 esc(", ".join(f"{name} {value:.2f} s" for name, value in (s.get("steps") or {}).items()) or "-"),
                 seconds(s.get("seconds")),
                 esc(s.get("outcome"))
@@ -672,6 +682,46 @@ def kind_setups_section(document: dict) -> str:
             ]
             for s in setups
         ],
+    )
+
+
+def leaks_table(leaks: list[dict]) -> str:
+    head = "<tr><th>setting</th><th>before</th><th>after</th><th>phase</th><th>put back</th></tr>"
+    rows = "".join(
+        f"<tr><td><code>{esc(leak.get('setting'))}</code></td><td><code>{esc(leak.get('before'))}</code></td>"
+        f"<td><code>{esc(leak.get('after'))}</code></td><td>{esc(leak.get('phase'))}</td>"
+        f"<td>{'yes' if leak.get('restored') else '<strong>no</strong>'}</td></tr>"
+        for leak in leaks
+    )
+    return f'<table class="kv">{head}{rows}</table>'
+
+
+def leaked_state_section(document: dict) -> str:
+    """The cells that left process-global state changed (matrix/global_state.py), as summary.md
+    lists them: each cell's own finding, put back before the next cell."""
+    rows = [
+        [
+            f'<a href="{esc(href("cell", cell["id"]))}">{esc(cell["id"])}</a>',
+            esc(cell.get("outcome")),
+            f"<code>{esc(leak.get('setting'))}</code>",
+            f"<code>{esc(leak.get('before'))}</code> → <code>{esc(leak.get('after'))}</code>",
+            esc(leak.get("phase")),
+            "yes" if leak.get("restored") else "<strong>no</strong>",
+        ]
+        for cell in document["cells"]
+        for leak in cell.get("leaked_state") or []
+    ]
+    if not rows:
+        return ""
+    cells = len({cell["id"] for cell in document["cells"] if cell.get("leaked_state")})
+    return table_section(
+        "leaked-state",
+        f"Left global state changed: {cells} cell{'s' if cells != 1 else ''}",
+        "Settings of the process a cell changed and did not put back (the fp32 matmul precisions, TF32, "
+        "deterministic mode, default dtype, autocast, threads, compile configs, environment variables). The "
+        "harness put each back before the next cell: a finding of the cell named, never of the one after it.",
+        ("cell", "outcome", "setting", "before → after", "phase", "put back"),
+        rows,
     )
 
 
@@ -704,13 +754,14 @@ def known_failures_section(document: dict, known_keys: dict) -> str:
         f"<td><code>{esc(entry_id)}</code>: {esc(e.get('title'))}</td><td>{esc(e.get('kind'))}</td>"
         f"<td>{', '.join(upstream_link(u) for u in e.get('upstream') or []) or 'found by this matrix'}</td>"
         f"<td>{link(e.get('link'), e.get('link'))}</td>"
-        f"<td>{cell_links(e.get('cells') or [])}</td><td>{cell_links(e.get('fixed_cells') or [])}</td></tr>"
+        f"<td>{cell_links(e.get('cells') or [])}</td><td>{cell_links(e.get('fixed_cells') or [])}</td>"
+        f"<td>{cell_links(e.get('inapplicable_cells') or [])}</td></tr>"
         for entry_id, e in entries.items()
     )
     return (
         '<section id="known-failures"><h2>Known failures (matrix/known_failures.toml)</h2><table class="kv">'
         "<tr><th>key</th><th>entry</th><th>kind</th><th>upstream</th><th>link</th><th>known cells</th>"
-        f"<th>fixed cells</th></tr>{rows}</table></section>"
+        f"<th>fixed cells</th><th>not applicable here</th></tr>{rows}</table></section>"
     )
 
 
@@ -768,6 +819,7 @@ def html_report(document: dict) -> str:
             not_run_section(shown),
             grids(document, known_keys, shown),
             kind_setups_section(document),
+            leaked_state_section(document),
             f'<div id="details">{details}</div>',
             signatures_section(document),
             known_failures_section(document, known_keys),

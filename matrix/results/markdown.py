@@ -1,7 +1,7 @@
 """summary.md: one grid per device and mode, new failures grouped by signature (each with its
-first cell's traceback, folded), fixed cells by catalogue entry, skip reasons, known failures,
-signatures, the loss curves that came nearest their rows, the slowest phases, explorations, the
-precision table."""
+first cell's traceback, folded), fixed cells by catalogue entry, the cells that left global state
+changed (by setting), skip reasons, known failures, signatures, the loss curves that came nearest
+their rows, the slowest phases, explorations, the precision table."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import re
 
 from matrix.results import crash_dump
-from matrix.results.files import known_failure_keys
+from matrix.results.files import hardware_line, known_failure_keys
 from matrix.results.metrics import (
     UNSET,
     CellMetrics,
@@ -37,6 +37,21 @@ CURVE_REFERENCES = (("torch_engine", "torch engine"), ("fp32_twin", "fp32 twin")
 
 def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def inapplicable_markdown(cells: list[dict]) -> list[str]:
+    """The cells an entry selects whose hardware condition does not hold on this machine: they
+    passed, and nothing is expected of them here (neither fixed nor a failure)."""
+    inapplicable = [c for c in cells if c["outcome"] == "inapplicable"]
+    if not inapplicable:
+        return []
+    lines = ["", "## Not applicable here: an entry's hardware condition does not hold on this machine", ""]
+    by_entry = grouped(inapplicable, lambda c: c["known_failure"]["id"])
+    lines += [f"{len(inapplicable)} cells passed, {len(by_entry)} entries:", ""]
+    for entry_id, group in by_entry.items():
+        unmet = ", ".join(f"`{name}`" for name in group[0]["known_failure"].get("not_holding") or []) or "a condition"
+        lines += folded_cells(f"- entry `{entry_id}` ({unmet} does not hold): {_cells(len(group))}", group)
+    return lines
 
 
 def grouped(cells: list[dict], key) -> dict[str, list[dict]]:
@@ -92,8 +107,9 @@ def summary_markdown(document: dict) -> str:
         f"# Mixed-precision matrix: run {run['id']}",
         "",
         f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
-        f"{counts['passed']} passed, {counts['skipped']} skipped** "
-        f"of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
+        f"{counts['passed']} passed, {counts['skipped']} skipped"
+        + (f", {counts['inapplicable']} not applicable here" if counts.get("inapplicable") else "")
+        + f"** of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
         "",
         f"Ran here: {len(cells) - counts['skipped']} cells. "
         + (
@@ -106,7 +122,7 @@ def summary_markdown(document: dict) -> str:
         "",
         f"- command: `{run['command']}`",
         f"- stack: {stack}",
-        f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs; "
+        f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs ({hardware_line(env)}); "
         + (
             "GPUs: "
             + ", ".join(f"cuda:{g['index']} {g['name']} (cc {g['compute_capability']})" for g in env["cuda_devices"])
@@ -133,6 +149,14 @@ def summary_markdown(document: dict) -> str:
         )
     if run.get("stack"):
         lines.append(f"- version stack: `{run['stack']}`")
+    if run.get("order_seed") is not None:
+        lines.append(f"- cell order: shuffled by `--order-seed {run['order_seed']}`")
+    leaking = [c for c in cells if c.get("leaked_state")]
+    if leaking:
+        lines.append(
+            f"- {_cells(len(leaking))} left global state changed (put back before the next cell): "
+            "[below](#left-global-state-changed-put-back-before-the-next-cell)"
+        )
     lines += [f"- **warning:** {w}" for w in env.get("warnings", [])]
     missing = document.get("missing") or []
     if run.get("incomplete"):
@@ -153,6 +177,7 @@ def summary_markdown(document: dict) -> str:
         lines += [f"{len(fixed)} cells, {len(by_entry)} entries:", ""]
         for entry_id, group in by_entry.items():
             lines += folded_cells(f"- entry `{entry_id}`: {_cells(len(group))}", group)
+    lines += inapplicable_markdown(cells)
     new = [c for c in cells if c["outcome"] == "failed"]
     if new:
         lines += ["", "## New failures (no catalogue entry explains them)", ""]
@@ -161,6 +186,8 @@ def summary_markdown(document: dict) -> str:
         for sig_id, group in by_signature.items():
             lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
             lines += folded_traceback(group[0].get("traceback"))
+
+    lines += leaked_state_markdown(leaking)
 
     if missing:
         lines += ["", "## Missing: selected, never reported", ""]
@@ -204,6 +231,8 @@ def summary_markdown(document: dict) -> str:
                         row.append(f"⚠️ {known_keys[cell['known_failure']['id']]} ({cell['phase']})")
                     elif cell["outcome"] == "fixed":
                         row.append(f"❗ fixed {known_keys[cell['known_failure']['id']]}")
+                    elif cell["outcome"] == "inapplicable":
+                        row.append(f"➖ n/a {known_keys[cell['known_failure']['id']]}")
                     elif cell["outcome"] == "skipped":
                         key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
                         row.append(f"⏭️ {key}")
@@ -221,12 +250,16 @@ def summary_markdown(document: dict) -> str:
 
     if document["known_failures"]:
         lines += ["", "## Known failures (matrix/known_failures.toml)", ""]
-        lines += ["| key | entry | kind | upstream | known cells | fixed cells |", "|---|---|---|---|---|---|"]
+        lines += [
+            "| key | entry | kind | upstream | known cells | fixed cells | not applicable here |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for entry_id, entry in document["known_failures"].items():
             upstream = ", ".join(entry["upstream"]) or "found by this matrix"
             lines.append(
                 f"| {known_keys[entry_id]} | `{entry_id}`: {_md(entry['title'])} | {entry['kind']} | {upstream} "
-                f"| {len(entry['cells'])} | {len(entry['fixed_cells'])} |"
+                f"| {len(entry['cells'])} | {len(entry['fixed_cells'])} "
+                f"| {len(entry.get('inapplicable_cells') or [])} |"
             )
 
     lines += ["", "## Failure signatures", ""]
@@ -405,10 +438,8 @@ def kind_setups_markdown(setups: list[dict]) -> list[str]:
         outcome = setup["outcome"] + (f": {setup['error']}" if setup.get("error") else "")
         if setup["outcome"] == "timed out":
             outcome = f"**{outcome}** (budget {setup['budget_s']:g} s)"
-        lines.append(
-            f"| {setup['kind']} | {'train and eval' if setup['training'] else 'eval'} | {_md(work)} "
-            f"| {setup['seconds']:.2f} | {_md(outcome)} |"
-        )
+        used_for = setup.get("for") or ("train and eval" if setup["training"] else "eval")  # a library's: its engines'
+        lines.append(f"| {setup['kind']} | {used_for} | {_md(work)} | {setup['seconds']:.2f} | {_md(outcome)} |")
     return lines
 
 
@@ -485,4 +516,31 @@ def exploration_markdown(explorations: list[dict]) -> list[str]:
             lines.append(f"- replay: `{f['replay']}`")
             if f.get("repro"):
                 lines.append(f"- standalone script: `{f['repro']}`")
+    return lines
+
+
+LEAKS_SHOWN = 3  # cells listed per setting before the rest are folded
+
+
+def leaked_state_markdown(leaking: list[dict]) -> list[str]:
+    """The cells that left process-global state changed (their `leaked_state`), by setting: a
+    finding of the cell named, whatever its outcome, never of the cell after it."""
+    if not leaking:
+        return []
+    lines = ["", "## Left global state changed (put back before the next cell)", ""]
+    by_setting = grouped(
+        [(cell, leak) for cell in leaking for leak in cell["leaked_state"]], lambda pair: pair[1]["setting"]
+    )
+    lines += [f"{_cells(len(leaking))}, {len(by_setting)} setting{'s' if len(by_setting) != 1 else ''}:", ""]
+    for setting, pairs in by_setting.items():
+        lines.append(f"- `{setting}` {_cells(len(pairs))}:")
+        rows = [
+            f"  - `{cell['id']}` ({cell['outcome']}): {_md(leak['before'])} -> {_md(leak['after'])} "
+            f"in `{leak['phase']}`" + ("" if leak["restored"] else " **(could not be put back)**")
+            for cell, leak in pairs
+        ]
+        lines += rows[:LEAKS_SHOWN]
+        if rows[LEAKS_SHOWN:]:  # a library that sets it in every cell of its own (Inductor's cache directory)
+            folded = rows[LEAKS_SHOWN:]
+            lines += [f"  <details><summary>{len(folded)} more</summary>", "", *folded, "", "  </details>"]
     return lines

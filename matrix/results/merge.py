@@ -138,6 +138,8 @@ def merge(paths: list[Path], *, allow_mixed_stacks: bool = False, run_id: str | 
         "axes": first["run"].get("axes", {}),
         "workers": None,
         "shard": None,
+        # the shards' --order-seed when they share one (a nightly's do); null when they differ
+        "order_seed": seeds.pop() if len(seeds := {run.get("order_seed") for run in runs}) == 1 else None,
         "cuda_device": None,
         "stack": first["run"].get("stack"),
         "git_commit": first["run"].get("git_commit"),

@@ -34,7 +34,7 @@ class CellRecord:
     mode: str
     device: str
     engine: str
-    outcome: str  # passed | known | fixed | failed | skipped (files.OUTCOMES)
+    outcome: str  # passed | known | fixed | inapplicable | failed | skipped (files.OUTCOMES)
     phase: str | None = None  # the phase that failed
     phases: dict = field(default_factory=dict)  # phase -> passed | failed | not run
     signature: dict | None = None  # Signature.as_dict()
@@ -48,6 +48,9 @@ class CellRecord:
     cuda_index: int | None = None  # the accelerator's index, for a cell on an indexed device
     device_name: str | None = None
     rerun: str | None = None  # the command that re-runs just this cell
+    # the process-global settings the cell left changed, put back after it (matrix/global_state.py):
+    # {setting, before, after, phase, restored}; a finding of this cell, never of the next one
+    leaked_state: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.traceback is not None and len(self.traceback) > crash_dump.TRACEBACK_LIMIT:
@@ -69,15 +72,22 @@ class CellRecord:
         return cls(**{**data, "metrics": CellMetrics.from_dict(data.get("metrics") or {})})
 
 
-def known_failure_record(entry) -> dict:
-    """A catalogue entry (matrix/catalogue.py Entry) as a cell record names it."""
-    return {
+def known_failure_record(entry, not_holding: list[str] | None = None) -> dict:
+    """A catalogue entry (matrix/catalogue.py Entry) as a cell record names it: with the conditions
+    it is in force under (`when`, matrix/conditions.py) and, for a cell it does not apply to here
+    (inapplicable), the hardware conditions that do not hold on this machine (`not_holding`)."""
+    record = {
         "id": entry.id,
         "title": entry.title,
         "kind": entry.kind,
         "upstream": list(entry.upstream),
         "link": entry.link,
     }
+    if getattr(entry, "when", ()):
+        record["when"] = [str(requirement) for requirement in entry.when]
+    if not_holding is not None:
+        record["not_holding"] = list(not_holding)
+    return record
 
 
 def skipped_record(cell: Cell, reason: str, **placement) -> CellRecord:

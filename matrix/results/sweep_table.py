@@ -9,6 +9,9 @@ and imported with the rest of the stack and, where it ran, each cell's state. Fr
   first release of each change and the state before and after;
 - `curve_moves`: per training cell, each release whose loss curve left the row of the curve the
   release before it trained (matrix/curves.py): the first release where a curve moved, and the step;
+- `nothing_ran`: each release that installed and imported but whose selected cells did not run
+  (every one skipped, none was selected, or its run came back without results), with the skips'
+  reasons: a sweep decides nothing about such a release, and its page and exit status say so;
 - `folded`: rows precision x engine, a column per release, each entry the cells of that row
   counted by state (the models, modes and devices folded together);
 - `sweep_markdown` and `sweep_html`: the same as a page;
@@ -33,8 +36,8 @@ STACK_SHOWN = ("torch", "transformers", "peft", "accelerate", "lightning", "bits
 
 def cell_state(cell: dict) -> str:
     """What is compared across releases: the raw result, catalogue classification aside (a
-    known failure is a failure with its signature, a fixed cell a pass)."""
-    if cell["outcome"] in ("passed", "fixed"):
+    known failure is a failure with its signature, a fixed or inapplicable cell a pass)."""
+    if cell["outcome"] in ("passed", "fixed", "inapplicable"):
         return "passed"
     if cell["outcome"] in ("failed", "known"):
         signature = cell.get("signature") or {}
@@ -44,6 +47,64 @@ def cell_state(cell: dict) -> str:
 
 def releases_ran(document: dict) -> list[str]:
     return [r["version"] for r in document["releases"] if r["status"] == RAN]
+
+
+def nothing_ran(document: dict) -> list[dict]:
+    """Each release whose selected cells did not run, in release order: {version, cells (how many
+    were selected), reasons (skip reason -> cells, or the run's own last line)}."""
+    empty = []
+    for release in document["releases"]:
+        cells = list((release.get("cells") or {}).values())
+        if release["status"] == "did not run":
+            empty.append({"version": release["version"], "cells": 0, "reasons": {release.get("detail") or "?": 0}})
+        elif release["status"] == RAN and all(cell["state"] == "skipped" for cell in cells):
+            empty.append({"version": release["version"], "cells": len(cells), "reasons": _skip_reasons(cells)})
+    return empty
+
+
+def _skip_reasons(cells: list[dict]) -> dict[str, int]:
+    """Skipped cells' reasons -> how many cells, the commonest first."""
+    reasons = Counter(cell.get("skip_reason") or "no reason recorded" for cell in cells)
+    if not cells:
+        reasons["the selection has no cell"] = 0
+    return dict(reasons.most_common())
+
+
+def nothing_ran_line(entry: dict) -> str:
+    """`nothing ran in 0.21.1: 8 cells skipped: Requires: [bitsandbytes] (...)`; with several
+    reasons, each one's cells after it."""
+    counted = len(entry["reasons"]) > 1  # each reason's cells, where there are several reasons
+    reasons = "; ".join(f"{reason} ({n})" if n and counted else reason for reason, n in entry["reasons"].items())
+    if entry["cells"]:
+        cells = f"{entry['cells']} cell{'s' if entry['cells'] != 1 else ''}"
+        return f"nothing ran in {entry['version']}: {cells} skipped: {reasons}"
+    return f"nothing ran in {entry['version']}: {reasons}"
+
+
+def run_nothing_ran(document: dict, label: str) -> str | None:
+    """A run's (results.json) line where none of its selected cells ran: every one skipped, or
+    none was selected (`nox -s stack(...)` fails on it); None where a cell ran."""
+    cells = document["cells"]
+    if any(cell["outcome"] != "skipped" for cell in cells):
+        return None
+    return nothing_ran_line({"version": label, "cells": len(cells), "reasons": _skip_reasons(cells)})
+
+
+def releases_that_ran_cells(document: dict) -> list[str]:
+    """The releases some of whose selected cells ran (passed or failed): what a verdict rests on."""
+    empty = {entry["version"] for entry in nothing_ran(document)}
+    return [version for version in releases_ran(document) if version not in empty]
+
+
+def _nothing_ran_markdown(document: dict) -> list[str]:
+    empty = nothing_ran(document)
+    if not empty:
+        return []
+    lines = [""]
+    if not releases_that_ran_cells(document):
+        lines += ["**No verdict: the selected cells ran in no release; this sweep decides nothing.**", ""]
+    lines += [f"- **{_md(nothing_ran_line(entry))}**" for entry in empty]
+    return lines
 
 
 def cell_states(document: dict) -> dict[str, dict[str, str]]:
@@ -161,6 +222,12 @@ def _md(text) -> str:
     return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _environment(document: dict) -> str:
+    if document.get("environment_mb") is None and document.get("environment"):  # --in-this-environment
+        return f"in the environment running the sweep ({document['environment']})"
+    return f"scratch environment {document.get('environment_mb', '?')} MB"
+
+
 def sweep_markdown(document: dict) -> str:
     package, releases = document["package"], document["releases"]
     lines = [
@@ -168,16 +235,20 @@ def sweep_markdown(document: dict) -> str:
         "",
         f"{len(releases)} releases of {package} ({', '.join(r['version'] for r in releases)}); "
         f"stack `{document['stack']}`, selection `{' '.join(document['selection']) or '(every cell)'}`; "
-        f"{document.get('wall_s', 0):.0f} s, scratch environment {document.get('environment_mb', '?')} MB.",
+        f"{document.get('wall_s', 0):.0f} s, " + _environment(document) + ".",
+    ]
+    lines += _nothing_ran_markdown(document)
+    lines += [
         "",
         "| release | status | cells | passed | failed | skipped | other packages | seconds |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    empty = {entry["version"] for entry in nothing_ran(document)}
     for r in releases:
         counts = Counter(c["state"].split(" ")[0] for c in (r.get("cells") or {}).values())
         packages = r.get("packages") or {}
         others = ", ".join(f"{k} {packages[k]}" for k in STACK_SHOWN if k != package and packages.get(k))
-        status = "ran" if r["status"] == RAN else _md(_not_run(r))
+        status = ("**nothing ran**" if r["version"] in empty else "ran") if r["status"] == RAN else _md(_not_run(r))
         lines.append(
             f"| {r['version']} | {status} | {len(r.get('cells') or {})} | {counts['passed']} | {counts['failed']} "
             f"| {counts['skipped']} | {_md(others)} | {r.get('seconds', 0):.0f} |"
@@ -193,8 +264,11 @@ def sweep_markdown(document: dict) -> str:
             )
     changes = first_changes(document)
     lines += ["", "## Where a cell changed", ""]
-    if not changes:
-        lines.append(f"No cell changed its state across the {len(ran)} releases that ran.")
+    decided = releases_that_ran_cells(document)
+    if not changes and not decided:
+        lines.append("No verdict: no release ran a selected cell.")
+    elif not changes:
+        lines.append(f"No cell changed its state across the {len(decided)} releases whose cells ran.")
     else:
         grouped: dict[tuple, list[str]] = {}
         for change in changes:
@@ -262,10 +336,19 @@ def sweep_html(document: dict) -> str:
         f"<h1>Release sweep: {e(document['package'])}</h1>",
         f"<p>stack <code>{e(document['stack'])}</code>, selection "
         f"<code>{e(' '.join(document['selection']) or '(every cell)')}</code></p>",
-        "<table><tr><th>release</th><th>status</th><th>cells</th><th>seconds</th></tr>",
     ]
+    empty = nothing_ran(document)
+    decided = releases_that_ran_cells(document)
+    if empty and not decided:
+        parts.append(
+            "<p><strong>No verdict: the selected cells ran in no release; this sweep decides nothing.</strong></p>"
+        )
+    if empty:
+        parts.append("<ul>" + "".join(f"<li><strong>{e(nothing_ran_line(x))}</strong></li>" for x in empty) + "</ul>")
+    parts.append("<table><tr><th>release</th><th>status</th><th>cells</th><th>seconds</th></tr>")
+    empty_versions = {entry["version"] for entry in empty}
     for r in document["releases"]:
-        status = "ran" if r["status"] == RAN else _not_run(r)
+        status = ("nothing ran" if r["version"] in empty_versions else "ran") if r["status"] == RAN else _not_run(r)
         parts.append(
             f"<tr><td>{e(r['version'])}</td><td>{e(status)}</td><td>{len(r.get('cells') or {})}</td>"
             f"<td>{r.get('seconds', 0):.0f}</td></tr>"
@@ -289,8 +372,10 @@ def sweep_html(document: dict) -> str:
             for c in changes
         ]
         parts.append(_html_table(("cell", "first release", "last before", "from", "to"), rows))
+    elif not decided:
+        parts.append("<p>No verdict: no release ran a selected cell.</p>")
     else:
-        parts.append(f"<p>No cell changed its state across the {len(ran)} releases that ran.</p>")
+        parts.append(f"<p>No cell changed its state across the {len(decided)} releases whose cells ran.</p>")
     moves = curve_moves(document)
     if moves:
         rows = [
