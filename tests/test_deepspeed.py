@@ -298,19 +298,28 @@ def test_a_rank_meets_a_stale_build_lock_as_a_named_failure_before_it_waits(tmp_
 
 
 @needs_deepspeed
-def test_a_build_that_runs_out_of_its_budget_is_killed_its_lock_taken_back_and_its_cells_stopped(tmp_path):
+def test_a_build_that_runs_out_of_its_budget_is_killed_its_lock_taken_back_and_its_cells_stopped(
+    tmp_path, monkeypatch
+):
     """The one-time build's budget (--kind-setup-timeout): the build (a child process and its
     compilers) is killed mid-compile, the lock it held is removed (its owner is known dead: killed
-    here), and the engine's cells in this process fail at once with ExtensionBuildTimedOut."""
+    here), and the engine's cells in this process fail at once with ExtensionBuildTimedOut. The
+    compiler torch's extension builder runs (CXX) hangs on every compile, so the build is still
+    compiling when its budget runs out however fast this machine compiles."""
     from matrix import extension_builds
 
-    fresh = tmp_path / "extensions"  # nothing built there: the build takes minutes on 2 cores
-    setup = extension_builds.build("deepspeed", ds, ("ShareMemCommBuilder",), "cpu", fresh, 40, log=print)
+    hanging = tmp_path / "hanging-c++"
+    hanging.write_text('#!/bin/sh\ncase " $* " in *" -c "*) sleep 600 ;; esac\nexec c++ "$@"\n')
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CXX", str(hanging))
+    fresh = tmp_path / "extensions"
+    budget = 60  # importing deepspeed in the build's child takes seconds; its compile never ends
+    setup = extension_builds.build("deepspeed", ds, ("ShareMemCommBuilder",), "cpu", fresh, budget, log=print)
     assert setup.outcome == "timed out", setup
-    assert setup.error == "building ShareMemCommBuilder was still running when the budget of 40 s ran out"
+    assert setup.error == f"building ShareMemCommBuilder was still running when the budget of {budget} s ran out"
     assert isinstance(setup.blocked, extension_builds.ExtensionBuildTimedOut)
     assert str(setup.blocked) == (
-        "deepspeed's one-time build of its ops (ShareMemCommBuilder) ran past --kind-setup-timeout 40 s"
+        f"deepspeed's one-time build of its ops (ShareMemCommBuilder) ran past --kind-setup-timeout {budget} s"
     )
     assert setup.reclaimed == [str(fresh / "deepspeed_shm_comm" / "lock")]  # it had started building
     assert not (fresh / "deepspeed_shm_comm" / "lock").exists()
