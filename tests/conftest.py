@@ -1,3 +1,4 @@
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -42,11 +43,26 @@ def fresh_reference_curves():
         measurements._REFERENCE_CURVES.clear()
 
 
+def python_path(*first: Path) -> str:
+    """PYTHONPATH for a process a test starts: `first`, then this checkout, then whatever the tests
+    were given (a GPU image that carries its packages on PYTHONPATH keeps them in the processes the
+    tests start)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([*map(str, first), str(ROOT), *inherited])
+
+
+def matrix_plugin() -> tuple[str, ...]:
+    """`-p matrix.plugin` where the package is not installed (a source checkout on a GPU image, with
+    no pytest11 entry point), nothing where it is (pytest would refuse the plugin registered twice)."""
+    installed = any(e.name == "matrix" for e in importlib.metadata.entry_points(group="pytest11"))
+    return () if installed else ("-p", "matrix.plugin")
+
+
 def fresh_pytest_process(*args: str, report_dir: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the matrix in a fresh pytest process, as a user would, with the test plugins."""
-    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": python_path(PLUGINS)}
     env.pop("PYTEST_ADDOPTS", None)
-    command = [sys.executable, "-m", "pytest", "cases", "--report-dir", str(report_dir), *args]
+    command = [sys.executable, "-m", "pytest", "cases", *matrix_plugin(), "--report-dir", str(report_dir), *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -133,8 +149,8 @@ def run_matrix_cpu(report_dir: Path, *args: str, run_id: str = "users") -> tuple
     """`python -m matrix run cases --device cpu ARGS` with tests/plugins importable, its run written
     to report_dir/run_id: the process and its results.json."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), str(ROOT)])
-    command = [sys.executable, "-m", "matrix", "run", "cases", "--device", "cpu", *args]
+    env["PYTHONPATH"] = python_path(PLUGINS)
+    command = [sys.executable, "-m", "matrix", "run", "cases", *matrix_plugin(), "--device", "cpu", *args]
     done = subprocess.run(
         [*command, "--report-dir", str(report_dir), "--run-id", run_id],
         cwd=ROOT,

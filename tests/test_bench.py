@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import python_path
 from matrix import bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +18,7 @@ TWO_CELLS = ("--model", "tiny-transformer", "--precision", "fp32", "--engine", "
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_ADDOPTS", "PYTEST_XDIST"))}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = python_path()
     command = [sys.executable, "-m", "matrix.bench", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

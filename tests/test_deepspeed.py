@@ -298,9 +298,7 @@ def test_a_rank_meets_a_stale_build_lock_as_a_named_failure_before_it_waits(tmp_
 
 
 @needs_deepspeed
-def test_a_build_that_runs_out_of_its_budget_is_killed_its_lock_taken_back_and_its_cells_stopped(
-    tmp_path, monkeypatch
-):
+def test_a_build_that_runs_out_of_its_budget_is_killed_its_lock_taken_back_and_its_cells_stopped(tmp_path, monkeypatch):
     """The one-time build's budget (--kind-setup-timeout): the build (a child process and its
     compilers) is killed mid-compile, the lock it held is removed (its owner is known dead: killed
     here), and the engine's cells in this process fail at once with ExtensionBuildTimedOut. The

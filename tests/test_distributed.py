@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import python_path
 from matrix import rank_pool
 from matrix.cell import Cell
 from matrix.execute import run_cell
@@ -173,7 +174,7 @@ def test_each_precision_maps_onto_the_distributed_libraries_own_settings(precisi
 
 
 def matrix_run(tmp_path, *args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": python_path(PLUGINS)}
     env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "matrix", "run", "-p", "fault_models", "-p", "no:cacheprovider", *args]
     command += ["--device", "cpu", "--report-dir", str(tmp_path), "--run-id", "run"]

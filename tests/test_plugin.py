@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import python_path
+
 pytest_plugins = ["pytester"]
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -31,7 +33,7 @@ SELECTION = (
 def user_run(tmp_path_factory):
     """One run of the user's axis values through `python -m matrix run -p user_axes`."""
     directory = tmp_path_factory.mktemp("user-run")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": python_path(PLUGINS)}
     env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "matrix", "run", "-p", "user_axes", *SELECTION, "-p", "no:cacheprovider"]
     command += ["--report-dir", str(directory / "reports"), "--run-id", "user"]
@@ -292,7 +294,7 @@ def test_a_cells_variables_are_set_while_it_runs_and_put_back_for_the_tests_afte
 )
 def test_a_plugin_that_does_not_load_is_one_line_and_exit_2(tmp_path, plugin_source, expected):
     (tmp_path / "bad_plugin.py").write_text(plugin_source)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": python_path(tmp_path)}
     env.pop("PYTEST_ADDOPTS", None)
     reports = tmp_path / "reports"
     command = [sys.executable, "-m", "matrix", "run", "-p", "bad_plugin", "--model", "tiny-llama", "--report-dir"]
@@ -308,7 +310,7 @@ def test_a_taken_name_is_plain_pytests_usage_error(tmp_path):
         "from matrix.engines import register\nfrom matrix.engines.torch_loop import TorchEngine\n"
         "register(TorchEngine())\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": python_path(tmp_path)}
     env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "pytest", "cases", "-p", "bad_plugin", "--report-dir", str(tmp_path / "r")]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

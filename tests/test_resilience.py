@@ -18,19 +18,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from conftest import python_path
 from matrix.results.files import SCHEMA_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 CELLS = ("--precision", "fp32,bf16-true", "--engine", "torch", "--device", "cpu", "-p", "no:cacheprovider")
-
-
-def python_path(*first: Path) -> str:
-    """`first`, then this checkout, then whatever the tests were given (a machine that carries its
-    packages on PYTHONPATH keeps them in the processes the tests start)."""
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join([*map(str, first), str(ROOT), *inherited])
 
 
 def environment() -> dict:

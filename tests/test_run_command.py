@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import python_path
 from matrix import options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ HELP = textwrap.dedent(
 
 
 def matrix_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "COLUMNS": "120"}
     script = HELP.format(blocked=BLOCKED, args=args)
     return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
 

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_report import ENV, RUN
 
+from conftest import python_path
 from matrix.cell import Cell, SelectionError
 from matrix.devices import resolve_index
 from matrix.precisions import table
@@ -223,7 +224,7 @@ USERS += ("--precision", "fp32,bf16-mixed", "--device", "cpu")
 def test_a_users_model_and_loops_sharded_give_the_unsharded_answer(tmp_path):
     """The plan, the costs and the merge hold for a model and loops written as users write them
     (tests/plugins/user_gpt2.py, user_loop.py), failures and their signatures included."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "plugins"), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT / "tests" / "plugins")}
     env.pop("PYTEST_ADDOPTS", None)
 
     def run(run_id: str, *extra: str) -> None:
