@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from matrix.kind_setup import KindSetup
+
 VARIABLE = "TORCH_EXTENSIONS_DIR"
 # the releases that decide what an op's build is: the compiler's inputs come from these
 KEYED_BY = ("torch", "deepspeed")
@@ -187,20 +189,14 @@ def _reclaiming(where: Path):
 
 
 @dataclass
-class LibrarySetup:
-    """A library's one-time build in one process, as the report's one-time work shows it (the
-    fields of matrix/kind_setup.py's KindSetup, `kind` naming the library)."""
+class LibrarySetup(KindSetup):
+    """A library's one-time build in one process, as the report's one-time work shows it: a kind's
+    record (matrix/kind_setup.py), `kind` naming the library, with where it built and what stopped
+    its cells."""
 
-    kind: str  # "deepspeed 0.19.8 (cpu ops)"
-    budget_s: float
-    training: bool = True  # its cells train and evaluate alike
-    steps: dict[str, float] = field(default_factory=dict)  # op -> seconds to build (or load) it
-    seconds: float = 0.0
-    outcome: str = "done"  # done | failed | timed out
-    error: str | None = None
+    training: bool = field(default=True, kw_only=True)  # its cells train and evaluate alike
     directory: str | None = None
     reclaimed: list[str] = field(default_factory=list)  # stale locks removed first
-    pid: int = field(default_factory=os.getpid)
     blocked: BaseException | None = field(default=None, repr=False)  # what stops the cells
 
     @property
