@@ -181,13 +181,41 @@ def deepspeed(session: nox.Session) -> None:
     """The DeepSpeed engines (issue 29): tests/test_deepspeed.py on the `deepspeed` stack, whose
     cells are tiny-llama and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, a
     stack that loses the optimizer's state on every stage, and two compiled twins (DeepSpeed's
-    engine.compile(), the Trainer's torch_compile on DeepSpeed). deepspeed is an extra, out of the
+    engine.compile(), the Trainer's torch_compile on DeepSpeed); and the standalone scripts of some
+    of its cells (tests/test_repro_engines.py's DeepSpeed tests: each script, run on its own two
+    ranks, reproduces its cell's failure or holds with its numbers). deepspeed is an extra, out of the
     default environment because its cells would multiply the default run's time (BENCHMARKS.md,
     cell cost per engine): the whole DeepSpeed CPU grid is nox -s "stack(name='deepspeed')"; an
     older release: nox -s "stack(name='deepspeed-0.18')"."""
     install_stack(session, "test", "deepspeed", stack="deepspeed")
-    deepspeed_tests = ("tests/test_deepspeed.py", "tests/test_deepspeed_probe.py")
+    # the file's other engines' tests run in the default session
+    repro = "tests/test_repro_engines.py::test_deepspeed_script_"
+    deepspeed_tests = (
+        "tests/test_deepspeed.py",
+        "tests/test_deepspeed_probe.py",
+        f"{repro}reproduces_the_catalogued_failure",
+        f"{repro}of_a_passing_cell_holds_with_the_records_numbers",
+    )
     session.run("python", "-m", "pytest", *deepspeed_tests, "--durations=10", *session.posargs)
+
+
+@nox.session
+def repro(session: nox.Session) -> None:
+    """Every standalone script the repro tests know (issue 47): each engine's cells, DeepSpeed's and
+    the quantized and float8 precisions' among them, generated from a run made here and run with
+    nothing of this project importable; and every catalogued bug that runs on this stack, shown by its
+    representative cell's script. Each script takes a minute or more on two cores, so the tests
+    session and nox -s deepspeed run a slice of each engine family; this session runs them all
+    (MATRIX_REPRO_EVERY_CELL=1)."""
+    install_stack(session, "test", "deepspeed", stack="deepspeed")
+    session.env["MATRIX_REPRO_EVERY_CELL"] = "1"
+    files = (
+        "tests/test_repro.py",
+        "tests/test_repro_engines.py",
+        "tests/test_repro_precisions.py",
+        "tests/test_repro_catalogue.py",
+    )
+    session.run("python", "-m", "pytest", *files, "--durations=20", *session.posargs)
 
 
 # The compiled twins of the engines (DeepSpeed's run in its stacks), and the float8 precisions (issue 37).

@@ -1,7 +1,7 @@
 """Mixed-precision regression matrix for the PyTorch LLM stack.
 
 Where things live (one home each):
-  __main__.py      - python -m matrix: run, fold, bisect, sweep, releases, repro, replay, diff, merge, curves,
+  __main__.py      - python -m matrix: run, fold, bisect, sweep, releases, repro, triage, replay, diff, merge, curves,
                      compatibility
   registry.py      - the registry of every axis but the modes (models, precisions, engines, devices):
                      register(), lookup, order, names made on demand (hf:<model_type>)
@@ -27,7 +27,11 @@ Where things live (one home each):
                      a test id names
   shards.py        - --shard K/N
   variants.py      - the settings the grid holds constant (batch, sizes, cache, loop)
-  tolerances.py    - numeric tolerances as data
+  tolerances.py    - numeric tolerances as data; the loss-curve rows derived from curve_spread.json
+  curve_spread.py  - python -m matrix.curve_spread: the largest deviation of right engines' loss curves
+                     per reference, engine family and dtype, from runs' results.json, written to
+                     curve_spread.json
+  curve_spread.json - data: the one place the curve rows' measurement lives, and the kinds it measured
   checks.py        - the assertions a cell makes, each failing with a stable message
   declared_dtypes.py - the dtypes weights must have, with what an architecture keeps in fp32
   observation.py   - what the harness observes on a model kind: traits, loss items, frozen and
@@ -78,7 +82,10 @@ Where things live (one home each):
   runner.py        - python -m matrix run: the crash- and hang-surviving supervisor
   internal_errors.py - the pytest plugin runner.py loads into pytest: an internal error's traceback kept
   strategies.py, explore.py - hypothesis exploration of the variants the grid does not run
-  repro.py         - python -m matrix repro: a standalone script that reproduces one cell
+  repro/           - python -m matrix repro: one cell as a standalone script (the engine's library
+                     calls, the references and the checks with their allowances; upstream imports only)
+  triage.py        - python -m matrix triage: each new signature's smallest cell as a standalone
+                     script in a fresh process: reproduces, does not reproduce, another failure
   bisect.py        - python -m matrix bisect: the release of a package that changed one cell
   stacks.py, stacks.toml - pinned version stacks: the stacks, and their reader (noxfile.py
                      imports it: standard library and packaging only)

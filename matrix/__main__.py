@@ -7,6 +7,8 @@
   sweep ...              one selection over several releases of a package (matrix/sweep.py)
   releases -o PAGE       the published table: the sweeps of matrix/releases.toml, then the page
   repro CELL             a standalone script that reproduces one cell (matrix/repro.py)
+  triage RUN             each new signature of a run as a standalone script, run in a fresh process:
+                         reproduces, does not reproduce, another failure (matrix/triage.py)
   replay CELL            one cell, optionally with an exploration's variant
   diff OLD NEW           what changed between two runs (matrix/results/compare.py)
   merge A B -o DIR       shard reports into one run (matrix/results/merge.py)
@@ -17,7 +19,7 @@
 Exit status 2 means bad input, with one line saying which file and field. Exit status 4 (sweep,
 releases, bisect) means the selected cells did not run with some release (they skipped, or no run
 came back): the command decides nothing about it, and says where and why (matrix/bisect.py
-NOTHING_RAN_STATUS)."""
+NOTHING_RAN_STATUS); for triage, that the run has no new signature to triage (its page says so)."""
 
 from __future__ import annotations
 
@@ -105,6 +107,37 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--run", type=Path, help="a report directory or results.json: its pins and failing phase")
     repro.add_argument("-o", "--output", type=Path, help="where to write the script (default: stdout)")
     repro.add_argument("--variant", help="settings as JSON, as an exploration's finding records them")
+    triaged = commands.add_parser(
+        "triage",
+        help="run each new signature's smallest cell as a standalone script in a fresh process and classify it: "
+        "reproduces (an upstream candidate), does not reproduce (a harness suspect), another failure",
+    )
+    triaged.add_argument("run", type=Path, help="a report directory or its results.json")
+    triaged.add_argument(
+        "-p",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=PLUGIN_HELP + " (the run's own -p modules, named in its cells' re-run commands, are loaded too)",
+    )
+    triaged.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long one run of a script may take before it is stopped and classified timed-out (default 600)",
+    )
+    triaged.add_argument(
+        "--only", action="append", metavar="SIGNATURE", help="triage this new signature only (repeatable)"
+    )
+    triaged.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop starting scripts after this long in all; the signatures left are classified not-run",
+    )
     replay = commands.add_parser("replay", help="run one cell, optionally with an exploration's variant")
     replay.add_argument("-p", dest="plugins", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     replay.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
@@ -175,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--stack", default=None, help="the stack they are golden for (default: the run's, else default)")
     write.add_argument("-o", "--output", type=Path, help="default: matrix/golden/curves-<stack>.json")
     args, extra = parser.parse_known_args(argv)
-    takes_no_more = args.command in ("diff", "merge", "compatibility", "curves") and (
+    takes_no_more = args.command in ("diff", "merge", "compatibility", "curves", "triage") and (
         args.command != "curves" or args.curves_command != "run"  # curves run hands the rest to the run
     )
     if takes_no_more and extra:
@@ -191,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return compatibility_table(args.run, args.output)
     if args.command == "curves":
         return golden_curves(args, extra)
+    if args.command == "triage":
+        return triage_run(args)
     if args.command in ("replay", "repro") and not load_plugins(args.command, args.plugins):
         return 2
     if args.command == "replay":
@@ -368,6 +403,51 @@ def diff_runs(args) -> int:
             path.write_text(text, encoding="utf-8")
     sys.stdout.write(as_json if args.format == "json" else markdown)
     return 1 if result.gating(fail_on) else 0
+
+
+def triage_run(args) -> int:
+    """0: triaged (whatever the classifications), 2: bad input, 4: no new signature to triage."""
+    from matrix import triage
+    from matrix.results.files import ResultsError, load
+
+    def refuse(message: str) -> int:
+        print(f"python -m matrix triage: {message}", file=sys.stderr)
+        return 2
+
+    for name, value in (("--timeout", args.timeout), ("--budget", args.budget)):
+        if value is not None and not value > 0:
+            return refuse(f"{name}: {value:g} is not a positive number of seconds")
+    try:
+        document, file = load(args.run)
+    except ResultsError as error:
+        return refuse(str(error))
+    found = triage.new_signatures(document)
+    try:
+        chosen = triage.select(found, args.only)  # before the plugins: bad input says so at once
+    except triage.TriageError as error:
+        return refuse(str(error))
+    modules = list(dict.fromkeys([*args.plugins, *triage.recorded_plugins(c for s in chosen for c in s.cells)]))
+    if not load_plugins("triage", modules):
+        return 2
+    result = triage.triage(
+        document,
+        file,
+        modules,
+        timeout_s=args.timeout or triage.DEFAULT_TIMEOUT_S,
+        only=args.only,
+        budget_s=args.budget,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    summary = result.as_dict()
+    for path in triage.write(summary, document, file.parent):
+        print(f"written: {path}")
+    for entry in summary["signatures"]:
+        label = triage.CLASSIFICATIONS[entry["classification"]]
+        print(f"{entry['signature']['id']} ({len(entry['cells'])} cells): {label}: {entry['summary']}")
+    if not found:
+        print(f"python -m matrix triage: {file}: no new failure to triage", file=sys.stderr)
+        return triage.NOTHING_NEW_STATUS
+    return 0
 
 
 def compatibility_table(run: Path, output: Path | None) -> int:

@@ -262,3 +262,22 @@ register(
         _autocast_float16_in_forward,
     )
 )
+
+
+def _grad_scaler_skipped_steps(context: Context) -> bool:
+    if context.metrics is None:
+        return True  # not run yet: the run's grad scaler decides
+    skipped = nested(context.metrics, "steps_skipped_by_grad_scaler")
+    return isinstance(skipped, int) and not isinstance(skipped, bool) and skipped > 0
+
+
+register(
+    Condition(
+        "grad-scaler-skipped-steps",
+        "the run's grad scaler (torch's, or the library's own loss scaler) skipped at least one step whose "
+        "gradients overflowed (steps_skipped_by_grad_scaler above 0): a library whose loop runs a fixed number "
+        "of steps applies fewer",
+        "cell",
+        _grad_scaler_skipped_steps,
+    )
+)

@@ -36,6 +36,29 @@ TORCH_ENGINE = "torch engine"
 FP32_TWIN = "fp32 twin"
 GOLDEN = "golden"
 
+# Engine families: engines whose libraries compute a training step in another legitimate way than
+# the torch loop (the order of their roundings, not the update). Each family's curves are judged by
+# rows measured on its own right engines (matrix/tolerances.py, matrix/curve_spread.json), so the
+# spread of one family does not loosen the rows of another. An engine's family follows from the
+# traits it declares (engines/traits.py curve_family); an engine declaring none is in DEFAULT_FAMILY.
+DEFAULT_FAMILY = "torch"
+FAMILIES: dict[str, str] = {
+    "torch": (
+        "the library steps torch's AdamW over the model's own parameters as the torch loop does, under the "
+        "precision's autocast or on the weights it cast, and reduces gradients (if at all) as DDP does"
+    ),
+    "casts-parameters": (
+        "the library casts the parameters to the half dtype for its forward and reduces the gradients of the "
+        "sharded parameters itself (FSDP2's MixedPrecisionPolicy): norms and adapters run on half weights "
+        "where autocast would keep them fp32"
+    ),
+    "master-weights": (
+        "the library's optimizer keeps fp32 master weights of a module it cast to the half dtype and steps "
+        "those with the half module's gradients (DeepSpeed's bf16/fp16 optimizers and ZeRO): the forward runs "
+        "on half weights without autocast, and each update reaches the module rounded to its dtype"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class CurveTolerance:
@@ -45,16 +68,23 @@ class CurveTolerance:
     atol: float
     rtol: float
     per_step: float
+    # which row it is, as the reports name it (matrix/tolerances.py: "master-weights bfloat16", the
+    # engine family and the row's dtype or scheme); None for a row written by hand (a test's)
+    row: str | None = None
 
     def allowed(self, step: int, reference: float) -> float:
         return self.atol + self.rtol * abs(reference) + self.per_step * (step - 1)
 
-    def as_dict(self) -> dict[str, float]:
-        return {"atol": self.atol, "rtol": self.rtol, "per_step": self.per_step}
+    def as_dict(self) -> dict:
+        numbers = {"atol": self.atol, "rtol": self.rtol, "per_step": self.per_step}
+        return numbers if self.row is None else {**numbers, "row": self.row}
 
     @classmethod
     def from_dict(cls, data: dict) -> CurveTolerance:
-        return cls(float(data["atol"]), float(data["rtol"]), float(data["per_step"]))
+        row = data.get("row")
+        return cls(
+            float(data["atol"]), float(data["rtol"]), float(data["per_step"]), row if isinstance(row, str) else None
+        )
 
 
 @dataclass
@@ -79,9 +109,11 @@ class Comparison:
         step = self.first_step_outside
         value, reference = losses[step - 1], self.reference_losses[step - 1]
         row = self.tolerance
+        allowed = self.allowed[step - 1]
+        share = abs(value - reference) / allowed if allowed > 0 else math.inf
         return (
             f"step {step}: {value:.6g} vs {reference:.6g}, |difference| {abs(value - reference):.3g} > allowed "
-            f"{self.allowed[step - 1]:.3g} (atol {row.atol:g} + rtol {row.rtol:g} x |reference| + "
+            f"{allowed:.3g}, {share_words(share, row.row)} (atol {row.atol:g} + rtol {row.rtol:g} x |reference| + "
             f"{row.per_step:g} per step after the first)"
         )
 
@@ -97,6 +129,21 @@ class Comparison:
             "worst_step": self.worst_step,
             "worst_share": self.worst_share,
         }
+
+
+def share_words(share: float | None, row: str | None = None) -> str:
+    """How much of its row a step used, in words: "97% of the row", "1.9x the master-weights
+    bfloat16 row" (`row`: the row's name, CurveTolerance.row)."""
+    the_row = f"the {row} row" if row else "the row"
+    if share is None or math.isnan(share):
+        return f"its share of {the_row} unknown"
+    if share == math.inf:
+        return f"past {the_row}, which allows nothing"
+    if share > 1:
+        return f"{share:.1f}x {the_row}" if share < 10 else f"{share:.0f}x {the_row}"
+    if 0 < share < 0.001:
+        return f"<0.1% of {the_row}"
+    return f"{share:.0%} of {the_row}" if share >= 0.1 or share == 0 else f"{share:.1%} of {the_row}"
 
 
 def compare(losses: list[float], reference: list[float], tolerance: CurveTolerance, name: str) -> Comparison:

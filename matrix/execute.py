@@ -35,7 +35,7 @@ from matrix.pipeline import PHASE_NAMES
 from matrix.precisions import PRECISIONS, PolicyContradiction, validate
 from matrix.results.metrics import CellMetrics
 from matrix.results.records import CellRecord, known_failure_record
-from matrix.signatures import Signature, signature_of
+from matrix.signatures import Signature, is_failure, signature_of
 from matrix.variants import Variant
 
 DEADLINE_SHARE = 0.9
@@ -137,7 +137,9 @@ def run_cell(
             began = time.perf_counter()
             try:
                 run_phase(state, name)
-            except Exception as exc:  # recorded: signature, message and full traceback
+            except BaseException as exc:  # recorded: signature, message and full traceback
+                if not is_failure(exc):
+                    raise
                 failed = getattr(exc, "matrix_phase", None) or name
                 if failed not in names[names.index(name) :]:
                     failed = name  # a phase outside this mode's remaining ones

@@ -16,7 +16,16 @@ on the CPU in fp32:
   (`dropout`; module dropout and functional dropout alike), and the dropout modules with p > 0;
 - whether its input embeddings sit inside a module the model lists in `_no_split_modules`
   (BERT's BertEmbeddings), which a wrapper that shards those modules shards with them
-  (`embeddings-in-no-split-module`);
+  (`embeddings-in-no-split-module`); and the classes `_no_split_modules` names of which the model
+  holds none (`no-split-module-absent`), which an auto-wrap policy built from the list looks for;
+- whether the output embeddings' bias is the same parameter as another module's (`tied-output-bias`:
+  BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias);
+- the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-half-loads`:
+  DeepseekV2's router gate.weight), which leave a layer holding two dtypes;
+- a transformers class whose forward takes **kwargs but whose loss ignores num_items_in_batch
+  (`ignores-num-items-in-batch`: MBartForCausalLM), which the Trainer scales for all the same;
+- trainable parameters the training forward never uses, left without a gradient by the fp32
+  backward (`unused-parameters`: MBartForCausalLM's cross-attention), which DDP's reducer waits for;
 - whether it is a transformers model whose class name names no loss type (`loss_type` None:
   GPT2LMHeadModel), so transformers falls back to its default causal LM loss
   (`unmapped-loss-type`);
@@ -73,6 +82,19 @@ class Observation:
     loaded_in_eval_mode: bool | None = None
     origin: str | None = None  # "from_pretrained(<name or path>)" where transformers says so
     embeddings_in_no_split_module: str | None = None  # the enclosing module's class, if any
+    # classes `_no_split_modules` names that the model holds no module of (a decoder-only class that
+    # inherits an encoder-decoder family's list: MBartForCausalLM's MBartEncoderLayer)
+    no_split_modules_absent: tuple[str, ...] = ()
+    # the names the output embeddings' bias is registered under besides its own (BERT-style heads:
+    # cls.predictions.decoder.bias is cls.predictions.bias), empty where it is not tied
+    tied_output_bias: tuple[str, ...] = ()
+    # trainable parameters the class keeps in fp32 when from_pretrained loads it in bf16 or fp16
+    # (_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight), next to half ones
+    fp32_in_half_loads: tuple[str, ...] = ()
+    # the transformers class whose forward takes **kwargs, so the Trainer hands it num_items_in_batch
+    # and scales its loss for it, but whose loss does not change with it (MBartForCausalLM's own
+    # CrossEntropyLoss): under data parallelism the Trainer multiplies a mean by the world size
+    ignores_num_items: str | None = None
     unmapped_loss_type: str | None = None  # the transformers class whose loss_type is None
     # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
     # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
@@ -88,6 +110,9 @@ class Observation:
     # trainable parameters that an fp32 training backward leaves without a gradient or with an
     # all-zero one: no precision can make them learn
     gradless_parameters: tuple[str, ...] = ()
+    # those of them the training forward never reaches (no gradient at all, not a zero one):
+    # MBartForCausalLM's cross-attention, which a decoder without an encoder never calls
+    unused_parameters: tuple[str, ...] = ()
     # parameters the model is created with requires_grad=False (a peft base: all of it), and
     # those of them the kind's loader gives back trainable
     frozen_parameters: tuple[str, ...] = ()
@@ -122,6 +147,16 @@ class Observation:
             found.add("dropout")
         if self.embeddings_in_no_split_module:
             found.add("embeddings-in-no-split-module")
+        if self.unused_parameters:
+            found.add("unused-parameters")
+        if self.no_split_modules_absent:
+            found.add("no-split-module-absent")
+        if self.tied_output_bias:
+            found.add("tied-output-bias")
+        if self.fp32_in_half_loads:
+            found.add("fp32-parameters-in-half-loads")
+        if self.ignores_num_items:
+            found.add("ignores-num-items-in-batch")
         if self.unmapped_loss_type and self.loss_items == "next-token labels":
             found.add("unmapped-loss-type")
         if self.unsaved_float_buffers and self.reloaded_by_library:
@@ -148,11 +183,18 @@ class Observation:
             "loaded_in_eval_mode": self.loaded_in_eval_mode,
             "origin": self.origin,
             "embeddings_in_no_split_module": self.embeddings_in_no_split_module,
+            "no_split_modules_absent": list(self.no_split_modules_absent),
+            "tied_output_bias": list(self.tied_output_bias),
+            "fp32_in_half_loads": len(self.fp32_in_half_loads),
+            "ignores_num_items": self.ignores_num_items,
+            "fp32_in_half_loads_first": list(self.fp32_in_half_loads[:5]),
             "unmapped_loss_type": self.unmapped_loss_type,
             "unsaved_float_buffers": list(self.unsaved_float_buffers),
             "saved_in_another_layout": list(self.saved_in_another_layout),
             "reloaded_by_library": self.reloaded_by_library,
             "gradless_parameters": list(self.gradless_parameters),
+            "unused_parameters": len(self.unused_parameters),
+            "unused_parameters_first": list(self.unused_parameters[:5]),
             "frozen_parameters": len(self.frozen_parameters),
             "frozen_parameters_first": list(self.frozen_parameters[:5]),
             "thawed_by_loading": list(self.thawed_by_loading),
@@ -173,7 +215,11 @@ def _key(kind) -> tuple:
 def observe(kind) -> Observation:
     """The kind's observation, made once per kind, variant and process."""
     if _key(kind) not in _OBSERVED:
-        _OBSERVED[_key(kind)] = _observe(kind)
+        # whatever the caller's grad mode (a first ask may come from inside an evaluation's
+        # no_grad): the observation's backward needs gradients, and without them it would fail
+        # and leave the kind with its declared traits and the "rows" weighting only
+        with torch.enable_grad(), torch.inference_mode(False):
+            _OBSERVED[_key(kind)] = _observe(kind)
     return _OBSERVED[_key(kind)]
 
 
@@ -212,6 +258,33 @@ def _no_split_module_around_embeddings(model: nn.Module) -> str | None:
     return None
 
 
+def _no_split_modules_absent(model: nn.Module) -> tuple[str, ...]:
+    """The classes the model's `_no_split_modules` names of which it holds no module."""
+    held = {type(module).__name__ for module in model.modules()}
+    return tuple(sorted(set(getattr(model, "_no_split_modules", None) or ()) - held))
+
+
+def _tied_output_bias(model: nn.Module) -> tuple[str, ...]:
+    """Every name the output embeddings' bias is registered under, where there are two or more."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    bias = getattr(output, "bias", None)
+    if not isinstance(bias, nn.Parameter):
+        return ()
+    names = tuple(n for n, p in model.named_parameters(remove_duplicate=False) if p is bias)
+    return names if len(names) > 1 else ()
+
+
+def _fp32_in_half_loads(model: nn.Module) -> tuple[str, ...]:
+    """The trainable parameters the class declares fp32 for a bf16 or fp16 from_pretrained."""
+    from matrix.declared_dtypes import covered, fp32_patterns
+
+    patterns = fp32_patterns(model, torch.bfloat16) + fp32_patterns(model, torch.float16)
+    if not patterns:
+        return ()
+    return tuple(n for n, p in model.named_parameters() if p.requires_grad and covered(n, patterns))
+
+
 def _unmapped_loss_type(model: nn.Module) -> str | None:
     """The class of the transformers model inside `model` (a peft wrapper's base too) whose
     `loss_type` is None: PreTrainedModel sets it from its class name, and GPT2LMHeadModel's names
@@ -220,6 +293,32 @@ def _unmapped_loss_type(model: nn.Module) -> str | None:
         if hasattr(module, "loss_type") and hasattr(module, "config"):
             return type(module).__name__ if module.loss_type is None else None
     return None
+
+
+def _ignores_num_items(model: nn.Module, batch: dict) -> str | None:
+    """The transformers class inside `model` whose forward takes **kwargs (the Trainer then passes
+    it num_items_in_batch, and multiplies its loss by the number of processes) but whose loss is
+    the same with num_items_in_batch=1 as without: it averages by itself. None where the forward
+    takes no **kwargs, the class says it accepts no loss kwargs, or the model is no such class."""
+    import inspect
+
+    target = next((m for m in model.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
+    if target is None or "labels" not in batch or getattr(target, "accepts_loss_kwargs", True) is False:
+        return None
+    parameters = inspect.signature(target.forward).parameters.values()
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            plain = model(**batch).loss
+            given = model(**batch, num_items_in_batch=torch.tensor(1)).loss
+    except (TypeError, ValueError, AttributeError):  # a forward that takes no such call: not this trait
+        return None
+    finally:
+        model.train(was_training)
+    return type(target).__name__ if plain is not None and torch.equal(plain, given) else None
 
 
 def _unsaved_float_buffers(model: nn.Module) -> tuple[str, ...]:
@@ -233,15 +332,18 @@ def _unsaved_float_buffers(model: nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _gradless_parameters(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
+def _gradless_parameters(kind, model: nn.Module, batch: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Trainable parameters with no gradient, or an all-zero one, after one fp32 training backward
     (RoCBert's shape and pronunciation embeddings, looked up at their padding index 0 when the
-    batch gives no ids for them): only weight decay moves them, in no precision by learning."""
+    batch gives no ids for them): only weight decay moves them, in no precision by learning. And
+    those with no gradient at all: the forward never used them (DDP's reducer waits for them)."""
     model.zero_grad(set_to_none=True)
     kind.loss(model, batch).backward()
-    found = tuple(n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any()))
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    found = tuple(n for n, p in trainable if p.grad is None or not p.grad.any())
+    unused = tuple(n for n, p in trainable if p.grad is None)
     model.zero_grad(set_to_none=True)
-    return found
+    return found, unused
 
 
 def _loaded_otherwise(kind, workdir: Path, buffers: tuple[str, ...]) -> tuple[str, ...]:
@@ -306,13 +408,17 @@ def rows_of(batch: dict, rows: slice) -> dict:
 
 
 def _loss_item_rule(kind, model, batch) -> tuple[str, dict]:
-    """The first rule of LOSS_ITEM_RULES under which the rows' losses, weighted by their item
-    counts, average to the batch's loss (eval mode: no dropout)."""
+    """The rule of LOSS_ITEM_RULES under which the rows' losses, weighted by their item counts,
+    average closest to the batch's loss (eval mode: no dropout), among those within
+    LOSS_ITEMS_RTOL; the earlier rule where two fit alike. Every rule is tried: one that fits
+    within the allowance can still be the wrong one (MBartForCausalLM averages over its unshifted
+    labels, and the next-token count comes within 1.7e-5 of it on the batch, enough for two ranks'
+    weighted losses to leave the fp32 row of the cross-engine check)."""
     with torch.no_grad():
         whole = kind.loss(model, batch).float().item()
         size = len(next(iter(batch.values())))
         per_row = [kind.loss(model, rows_of(batch, slice(i, i + 1))).float().item() for i in range(size)]
-    evidence = {}
+    evidence: dict = {}
     for rule, counts_of in LOSS_ITEM_RULES.items():
         try:
             counts = counts_of(batch).tolist()
@@ -327,10 +433,13 @@ def _loss_item_rule(kind, model, batch) -> tuple[str, dict]:
             evidence[rule] = "a row with items has a non-finite loss"
             continue
         mean = sum(c * loss for c, loss in weighted) / sum(c for c, _ in weighted)
-        error = abs(mean - whole) / max(abs(whole), 1e-12)
-        evidence[rule] = error
-        if error <= LOSS_ITEMS_RTOL:
-            return rule, evidence
+        evidence[rule] = abs(mean - whole) / max(abs(whole), 1e-12)
+    fitting = [
+        (error, rule) for rule, error in evidence.items() if isinstance(error, float) and error <= LOSS_ITEMS_RTOL
+    ]
+    if fitting:
+        best = min(fitting, key=lambda pair: pair[0])[1]  # min keeps the first of equal errors
+        return best, evidence
     return "rows", {**evidence, "chosen": "rows: no rule reproduced the batch's loss"}
 
 
@@ -371,7 +480,7 @@ def _observe(kind) -> Observation:
             )
             model.train()
             first, second = _probe_losses(kind, model, batch)
-            gradless = _gradless_parameters(kind, model, batch)
+            gradless, unused = _gradless_parameters(kind, model, batch)
             frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
             model.eval()
             rule, evidence = _loss_item_rule(kind, model, batch)
@@ -394,11 +503,16 @@ def _observe(kind) -> Observation:
                 loaded_in_eval_mode=not loaded.training,
                 origin=_origin(model),
                 embeddings_in_no_split_module=_no_split_module_around_embeddings(model),
+                no_split_modules_absent=_no_split_modules_absent(model),
+                tied_output_bias=_tied_output_bias(model),
+                fp32_in_half_loads=_fp32_in_half_loads(model),
                 unmapped_loss_type=_unmapped_loss_type(model),
+                ignores_num_items=_ignores_num_items(model, batch),
                 unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
                 saved_in_another_layout=_saved_in_another_layout(kind, model, workdir),
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
+                unused_parameters=unused,
                 frozen_parameters=frozen,
                 thawed_by_loading=tuple(n for n, p in loaded.named_parameters() if n in frozen and p.requires_grad),
                 largest_trainable_magnitude=max(

@@ -56,7 +56,7 @@ from matrix.precisions import PRECISIONS, Precision, dtype_name
 from matrix.results import metrics as typed
 from matrix.results.metrics import given
 from matrix.schedule import FIRST_FORWARD_SEED, RESUME_SEED, RESUMED_STEPS, TRAIN_STEPS
-from matrix.signatures import signature_of
+from matrix.signatures import is_failure, signature_of
 from matrix.tolerances import (
     CHECKPOINT_ROUND_TRIP,
     LOSS_FALL_VS_FP32,
@@ -319,7 +319,9 @@ def agreed(state: CellState, work):
     result, error = None, None
     try:
         result = work()
-    except Exception as exc:  # raised below, after every rank knows
+    except BaseException as exc:  # raised below, after every rank knows (a library's BaseException too)
+        if not is_failure(exc):
+            raise
         error = exc
     failed = group.gather(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
@@ -531,10 +533,13 @@ def record_curve(state: CellState, losses: list[float]) -> checks.CurveDiverged 
     """The training losses of the applied steps, step by step, against the torch engine's at the same precision and
     against the fp32 twin's (matrix/curves.py), recorded; the first reference the curve leaves
     gives the failure to raise once the cell's other training checks ran."""
+    from matrix.engines.traits import curve_family
     from matrix.tolerances import curve_vs_fp32_twin, curve_vs_torch_engine
 
     compute = curve_compute_dtype(state)
-    same_precision = curve_vs_torch_engine(compute)
+    family = curve_family(state.engine.traits)  # the engines whose measured spread its rows come from
+    # a kind the spread was not measured on takes the unmeasured kinds' rows (tolerances.kind_row)
+    same_precision = curve_vs_torch_engine(compute, family, state.kind.name)
     steps = schedule.train_steps()
     record = typed.Curve(
         steps=steps,
@@ -563,7 +568,7 @@ def record_curve(state: CellState, losses: list[float]) -> checks.CurveDiverged 
             curves.FP32_TWIN,
             "fp32_twin",
             twin_precision,
-            curve_vs_fp32_twin(compute, quantization),
+            curve_vs_fp32_twin(compute, quantization, family, state.kind.name),
             "the cell trains in fp32: it is its own fp32 twin" if is_fp32_twin(state.precision) else split,
         ),
     )
@@ -590,12 +595,11 @@ def curve_compute_dtype(state: CellState) -> torch.dtype:
     """The dtype a training cell's curve is judged by: its precision's compute dtype, or the coarser
     autocast its run was seen computing in (Lightning runs 16-mixed as bf16 on a CPU: a curve
     computed in bf16 is judged by bf16's row, whatever the precision's name says)."""
-    compute = state.precision.compute_dtype
-    observed = given(state.metrics.effective.autocast_dtype_in_forward, None)
-    dtype = getattr(torch, observed, None) if isinstance(observed, str) else None
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(compute).eps:
-        return dtype
-    return compute
+    from matrix.tolerances import curve_row_dtype
+
+    return curve_row_dtype(
+        state.precision.compute_dtype, given(state.metrics.effective.autocast_dtype_in_forward, None)
+    )
 
 
 def reference_optimizer(state: CellState, name: str) -> str:
@@ -744,8 +748,9 @@ def _check_merged_save(state: CellState, adapters) -> None:
 
     kind, precision, record = state.kind, state.precision, state.metrics.quantized
     directory = adapters.parent / "merged"
-    as_adapters = evaluate_as_run(state, kind.load(adapters, precision, state.device, state.workdir)).logits
-    merged = kind.merge_quantized(kind.load(adapters, precision, state.device, state.workdir))
+    # loaded as a user who merges loads it (not prepared for training: matrix/models/base.py load_to_merge)
+    as_adapters = evaluate_as_run(state, kind.load_to_merge(adapters, precision, state.device, state.workdir)).logits
+    merged = kind.merge_quantized(kind.load_to_merge(adapters, precision, state.device, state.workdir))
     merged_outputs = evaluate_as_run(state, merged).logits
     record.merged_deviation_max_abs = (merged_outputs.float() - as_adapters.float()).abs().max().item()
     kind.save_merged(merged, directory)

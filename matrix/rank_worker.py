@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from matrix.signatures import is_failure, message_of
+
 # A collective that waits longer than this raises in the rank; the driver kills the group on
 # the cell's own (shorter) timeout first.
 COLLECTIVE_TIMEOUT_S = 600
@@ -36,7 +38,7 @@ def describe(exc: BaseException) -> dict:
 
     return {
         "type": exception_type(exc),
-        "message": str(exc) or (str(exc.args[0]) if exc.args else ""),
+        "message": message_of(exc),
         "details": getattr(exc, "details", None),
         "origin": origin_of(exc),
         "traceback": "".join(traceback.format_exception(exc)),
@@ -97,7 +99,9 @@ def main() -> None:
         _, reference, args = message
         try:
             replies.send(("ok", resolve(reference)(context, *args)))
-        except Exception as exc:  # answered with its description; the driver records it
+        except BaseException as exc:  # answered with its description; the driver records it
+            if not is_failure(exc):
+                raise
             replies.send(("error", describe(exc)))
     import torch.distributed as dist
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from dataclasses import dataclass
 
 from matrix.packages import ORIGIN_MODULES
@@ -34,6 +35,36 @@ _NORMALIZERS: tuple[tuple[re.Pattern, str], ...] = tuple(
         (r"\s+", " "),
     )
 )
+
+
+# What passes through a cell's except clauses: the interpreter's own exits and interrupts. Any
+# other BaseException a library raises is the cell's failure, recorded as an Exception is:
+# torch.distributed.checkpoint's CheckpointException derives from BaseException, and a rank that
+# let it through died instead of answering (issue 47: the every-engine sweep's sig-53732297)
+PASSES_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether `exc`, caught as a BaseException, is a failure to record: any Exception, and any other
+    BaseException but an exit, an interrupt or one of pytest's outcomes (pytest-timeout stops a
+    cell by raising pytest's Failed in it, which pytest must see)."""
+    if isinstance(exc, Exception):
+        return True
+    outcomes = sys.modules.get("_pytest.outcomes")  # pytest is not imported where nothing runs under it
+    if outcomes is not None and isinstance(exc, outcomes.OutcomeException):
+        return False
+    return not isinstance(exc, PASSES_THROUGH)
+
+
+def message_of(exc: BaseException) -> str:
+    """The message a signature is computed from: str(exc); for a failure whose message carries the
+    tracebacks of the failures it gathered (DCP's CheckpointException holds every rank's), its own
+    first line and the innermost error's line, which name what failed without the frames."""
+    message = str(exc) or (str(exc.args[0]) if exc.args else "")
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 2 and any(line.startswith("Traceback (most recent call last)") for line in lines):
+        return f"{lines[0]}: {lines[-1]}"
+    return message
 
 
 def normalize_message(message: str) -> str:
@@ -107,8 +138,7 @@ def signature_of(phase: str, exc: BaseException) -> Signature:
     remote = getattr(exc, "remote_signature", None)
     if remote is not None:  # raised in another process (a rank), whose traceback gave the origin
         return Signature(phase, remote.exc_type, remote.message, remote.origin)
-    message = str(exc) or (exc.args[0] if exc.args else "")
-    return Signature(phase, exception_type(exc), normalize_message(str(message)), origin_of(exc))
+    return Signature(phase, exception_type(exc), normalize_message(message_of(exc)), origin_of(exc))
 
 
 def signature_of_crash(phase: str, description: str) -> Signature:

@@ -321,3 +321,39 @@ def test_an_entry_that_only_a_long_curve_shows_is_in_force_only_in_runs_that_lon
     assert found.in_force(cell, {"torch": "2.13.0"}) == [entry]
     with pytest.raises(catalogue.CatalogueError, match="field 'min_curve_steps' must be a whole number"):
         catalogue.parse(ENTRY.replace('kind = "bug"', 'kind = "bug"\nmin_curve_steps = "4"'))
+
+
+@pytest.mark.parametrize(
+    ("cell", "signature_text", "entry_id"),
+    [
+        # the H100 run of 2026-11-27 (shared/gpu-evidence/h100-2026-11-27), triaged in issue 47
+        (
+            Cell("tiny-llama", "float8-rowwise", "train", "cuda", "ddp-compile"),
+            "train_steps: torch._dynamo.exc.BackendCompilerFailed: backend='compile_fn' raised: RuntimeError: "
+            "Expected self.size(<n>) to be divisible by <n>, but got self.size(<n>)=<n> Set TORCHDYNAMO_VERBOSE=<n> "
+            "@ torch:_check_with",
+            "torchao-float8-inner-dims-multiple-of-16",
+        ),
+        (
+            Cell("gemma-cache", "fp16-mixed", "eval", "cuda", "accelerate-fsdp2"),
+            "checkpoint_save: AssertionError: Attempted step but _scale is None. This may indicate your script did "
+            "not use scaler.scale(loss or outputs) earlier in the iteration. @ torch.amp.grad_scaler:"
+            "_check_scale_growth_tracker",
+            "accelerate-fsdp2-checkpoint-steps-through-grad-scaler",
+        ),
+        (
+            Cell("tiny-llama", "fp16-mixed", "train", "cuda", "accelerate-fsdp2"),
+            "resumed_step: matrix.checks.CheckpointMismatch: grad scaler state differs after reload @ "
+            "matrix.resume:check_restored",
+            "accelerate-fsdp2-checkpoint-steps-through-grad-scaler",
+        ),
+    ],
+)
+def test_the_cuda_findings_of_the_h100_run_are_claimed_by_their_entries(cell, signature_text, entry_id):
+    """The signatures that run recorded as new, as written there, each matched and selected by the
+    entry issue 47 triaged it into (the selection by cell, whatever the installed versions)."""
+    entry = catalogue.load().by_id(entry_id)
+    assert entry.selects(cell) and entry.matches(signature_text)
+    # and the CPU twin of the cell is not claimed: accelerate makes no GradScaler there
+    if entry_id.startswith("accelerate-fsdp2"):
+        assert not entry.selects(Cell(cell.model, cell.precision, cell.mode, "cpu", cell.engine))

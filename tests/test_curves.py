@@ -157,3 +157,43 @@ def test_a_bisection_of_a_moved_curve_judges_each_release_by_its_curve():
     state, text = judge(_cell("a-torch", [4.0, 3.5, 3.3], outcome="failed"))
     assert state == "curve moved" and text.startswith("step 3: 3.3 vs 3,")
     assert judge(_cell("a-torch", None, outcome="failed"))[0].startswith("error: no curve")
+
+
+# ---------------------------------------------------------------- the margin in the reports (issue 47)
+
+NAMED = curves.CurveTolerance(atol=0.0042, rtol=0.0, per_step=0.0042, row="master-weights bfloat16")
+# tiny-llama bf16-mixed on DeepSpeed 0.18.5's ZeRO-0 against the torch engine (a real run's, 3 steps),
+# and ZeRO-1's on the same stack (right: within its row)
+TORCH_CURVE = [4.579038143157959, 4.136424541473389, 3.8827764987945557]
+ZERO0_CURVE = [4.578643997510274, 4.154198169708252, 3.909575581550598]
+ZERO1_CURVE = [4.578643997510274, 4.140171567598979, 3.8879654010136924]
+
+
+def test_a_row_says_its_name_and_the_failure_how_far_past_it_the_step_went():
+    compared = curves.compare(ZERO0_CURVE, TORCH_CURVE, NAMED, curves.TORCH_ENGINE)
+    assert compared.first_step_outside == 2 and compared.as_dict()["tolerance"]["row"] == NAMED.row
+    assert curves.CurveTolerance.from_dict(compared.as_dict()["tolerance"]) == NAMED
+    words = compared.outside(ZERO0_CURVE)
+    assert "> allowed 0.0084, 2.1x the master-weights bfloat16 row (atol 0.0042" in words, words
+    # a row without a name (an older run's, a test's) is "the row"
+    assert "x the row (" in curves.compare(ZERO0_CURVE, TORCH_CURVE, ROW, curves.TORCH_ENGINE).outside(ZERO0_CURVE)
+    assert curves.share_words(0.97) == "97% of the row" and curves.share_words(1.0) == "100% of the row"
+    assert curves.share_words(0.0004, "torch float16") == "<0.1% of the torch float16 row"
+
+
+def test_the_summary_and_the_page_show_the_share_of_the_row_for_cells_that_left_it_and_cells_within():
+    from matrix.results.html import curve_figure
+    from matrix.results.markdown import curves_markdown
+
+    def cell(cell_id: str, losses: list[float], outcome: str) -> dict:
+        compared = curves.compare(losses, TORCH_CURVE, NAMED, curves.TORCH_ENGINE).as_dict()
+        curve = {"steps": 3, "losses": losses, "torch_engine": compared, "golden_tolerance": NAMED.as_dict()}
+        return {"id": cell_id, "outcome": outcome, "metrics": {"train_losses": losses, "curve": curve}}
+
+    left, within = cell("zero0", ZERO0_CURVE, "known"), cell("zero1", ZERO1_CURVE, "passed")
+    rows = [line for line in curves_markdown([left, within]) if line.startswith("| `")]
+    assert rows[0].endswith("| 2.1x | left the master-weights bfloat16 row at step 2 |"), rows
+    assert rows[1].endswith("| 45% | within the master-weights bfloat16 row |"), rows
+    page_left, page_within = curve_figure(left["metrics"]), curve_figure(within["metrics"])
+    assert "allowed 0.0084, 2.1x the master-weights bfloat16 row</p>" in page_left, page_left
+    assert "nearest at step 2, 44.6% of what it allows (the master-weights bfloat16 row)</p>" in page_within

@@ -7,6 +7,7 @@ model of the run starts from."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from matrix import initial_weights, schedule
 from matrix.cell import Cell
@@ -142,3 +143,23 @@ def test_a_run_on_the_stack_of_the_golden_curves_matches_them(tmp_path):
     assert {c["cell"] for c in result.changes["removed"]} == {
         c["id"] for c in golden["cells"]
     } - ran  # the other engines'
+
+
+def test_a_cell_is_judged_by_its_engine_familys_row_and_records_which_and_how_much_of_it_it_used(tmp_path):
+    """Issue 47: the rows are derived per engine family from the measured spread of right engines
+    (matrix/curve_spread.json); a right library's curve uses at most half of its row, and the record
+    names the row, so a report can say "45% of the master-weights bfloat16 row"."""
+    from matrix import curves, tolerances
+    from matrix.engines import ENGINES
+    from matrix.engines.traits import curve_family
+
+    result = _run(tmp_path, "tiny-llama", "fp16-mixed", "lightning")  # Lightning computes 16-mixed in bf16 on a CPU
+    assert result.outcome == "passed", result.message
+    curve = result.metrics.curve
+    family = curve_family(ENGINES["lightning"].traits)
+    assert family == curves.DEFAULT_FAMILY
+    expected = tolerances.curve_vs_torch_engine(torch.bfloat16, family)
+    assert curve.torch_engine.tolerance == expected.as_dict() and expected.row == "torch bfloat16"
+    assert curve.golden_tolerance == expected.as_dict()
+    assert 0 < curve.torch_engine.worst_share <= 1 / tolerances.CURVE_SAFETY
+    assert curve.fp32_twin.tolerance["row"] == "torch bfloat16"

@@ -92,10 +92,15 @@ def test_the_cells_run_on_deepspeed_and_fail_only_where_the_catalogue_says(grid)
     assert len(cells) == 32, done.stdout[-3000:]
     outcomes = {cell_id: cell["outcome"] for cell_id, cell in cells.items()}
     known = {cell_id: cell["known_failure"]["id"] for cell_id, cell in cells.items() if cell["outcome"] == "known"}
-    # ZeRO-1 writes no frozen parameters: lora's consolidated checkpoint lacks its base (DeepSpeed#5439)
+    # ZeRO-1 writes no frozen parameters: lora's consolidated checkpoint lacks its base (DeepSpeed#5439);
+    # ZeRO-0's bf16 wrapper steps AdamW at construction, and tiny-llama's 3-step curve leaves the row
+    # its family's right engines were measured to (issue 47)
     assert known == {
-        f"lora-{p}-train-cpu-deepspeed-zero1": "deepspeed-zero1-checkpoint-drops-frozen-parameters"
-        for p in ("fp32", "bf16-mixed")
+        **{
+            f"lora-{p}-train-cpu-deepspeed-zero1": "deepspeed-zero1-checkpoint-drops-frozen-parameters"
+            for p in ("fp32", "bf16-mixed")
+        },
+        "tiny-llama-bf16-mixed-train-cpu-deepspeed-zero0": "deepspeed-zero0-bf16-adamw-stepped-at-construction",
     }
     assert {o for i, o in outcomes.items() if i not in known} == {"passed"}, outcomes
     assert done.returncode == 0
@@ -105,7 +110,9 @@ def test_the_cells_run_on_deepspeed_and_fail_only_where_the_catalogue_says(grid)
 @pytest.mark.parametrize("stage", STAGES)
 def test_each_stage_is_deepspeeds_own(grid, stage):
     _, cells = grid
-    cell = cells[f"tiny-llama-bf16-mixed-train-cpu-deepspeed-zero{stage}"]
+    # a cell that ran every phase: at stage 0 tiny-llama's curve stops it in train_steps (test above)
+    model = "lora" if stage == 0 else "tiny-llama"
+    cell = cells[f"{model}-bf16-mixed-train-cpu-deepspeed-zero{stage}"]
     effective = cell["metrics"]["engine_effective"]
     assert effective["zero_stage"] == stage and effective["bf16_enabled"] is True
     assert effective["basic_optimizer"] == "AdamW"  # torch_adam: torch.optim.AdamW under DeepSpeed's wrapper
@@ -129,7 +136,7 @@ def test_each_stage_is_deepspeeds_own(grid, stage):
 def test_every_resume_equals_the_uninterrupted_run_bit_for_bit(grid):
     _, cells = grid
     resumed = [c for c in cells.values() if c["mode"] == "train" and c["outcome"] == "passed"]
-    assert len(resumed) == 14
+    assert len(resumed) == 13
     for cell in resumed:
         record = cell["metrics"]["resume"]
         assert record["judged"] == "bit for bit (cpu steps are deterministic)", cell["id"]

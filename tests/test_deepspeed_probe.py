@@ -20,9 +20,9 @@ needs_deepspeed = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def probed(matrix_cpu, tmp_path_factory):
-    """tiny-transformer fp16-mixed and tiny-llama bf16-mixed training at ZeRO stages 0 and 1: 4 cells."""
+    """tiny-transformer, tiny-llama and lora training in fp16-mixed and bf16-mixed at ZeRO stages 0 and 1."""
     selection = (
-        "--model", "tiny-transformer,tiny-llama", "--precision", "fp16-mixed,bf16-mixed", "--mode", "train",
+        "--model", "tiny-transformer,tiny-llama,lora", "--precision", "fp16-mixed,bf16-mixed", "--mode", "train",
         "--engine", "deepspeed-zero0,deepspeed-zero1",
     )  # fmt: skip
     return matrix_cpu(tmp_path_factory.mktemp("probe"), *selection)
@@ -45,5 +45,9 @@ def test_the_entry_claims_a_failure_where_the_probe_holds_and_never_calls_a_pass
     # tiny-transformer's fp16 curve leaves the torch engine's: known, by the mechanism's entry
     failing = cells["tiny-transformer-fp16-mixed-train-cpu-deepspeed-zero0"]
     assert failing["outcome"] == "known" and failing["known_failure"]["id"] == ENTRY, failing["signature"]
-    # tiny-llama's 3-step bf16 curve stays within its row with the mechanism present: passed, not fixed
-    assert cells["tiny-llama-bf16-mixed-train-cpu-deepspeed-zero0"]["outcome"] == "passed"
+    # tiny-llama's bf16 curve leaves the row its family's right engines were measured to (issue 47) at
+    # step 2 of the default 3: known, by the same entry
+    claimed = cells["tiny-llama-bf16-mixed-train-cpu-deepspeed-zero0"]
+    assert claimed["outcome"] == "known" and claimed["known_failure"]["id"] == ENTRY, claimed["signature"]
+    # lora's 3-step bf16 curve stays within its row with the mechanism present: passed, not fixed
+    assert cells["lora-bf16-mixed-train-cpu-deepspeed-zero0"]["outcome"] == "passed"

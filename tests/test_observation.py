@@ -118,3 +118,40 @@ def test_an_observation_that_fails_is_recorded_with_its_error_and_selects_nothin
     assert found.error == "OSError: disk full"
     assert found.traits == frozenset()
     assert found.as_dict()["error"] == "OSError: disk full"
+
+
+def test_the_rule_that_fits_best_is_chosen_not_the_first_that_fits():
+    """MBartForCausalLM averages its loss over its unshifted labels. On the batch, the next-token
+    count (the first rule) comes within the allowance but not exactly, and two ranks weighting by
+    it leave the fp32 row of the cross-engine check: the closest rule is the model's own."""
+    found = observe(MODELS["hf:mbart"])
+    evidence = found.loss_items_evidence
+    assert evidence["next-token labels"] <= observation.LOSS_ITEMS_RTOL  # the first rule fits, loosely
+    assert found.loss_items == "labels" and evidence["labels"] < evidence["next-token labels"] / 10
+
+
+@pytest.mark.parametrize(
+    ("model", "trait"),
+    [
+        ("hf:mbart", "unused-parameters"),  # the decoder layers' cross-attention, never called
+        ("hf:mbart", "no-split-module-absent"),  # MBartEncoderLayer, named by its family's list
+        ("hf:roc_bert", "tied-output-bias"),  # cls.predictions.decoder.bias is cls.predictions.bias
+        ("hf:deepseek_v2", "fp32-parameters-in-half-loads"),  # the router's gate.weight, kept fp32
+    ],
+)
+def test_the_mechanisms_the_sweep_found_are_observed_traits(model, trait):
+    """What the catalogue's entries for the every-engine sweep's findings select by (issue 47): a
+    fact of the model, observed, so that the next architecture with it is known, not new."""
+    assert trait in observe(MODELS[model]).traits
+    assert trait not in observe(MODELS["tiny-llama"]).traits
+
+
+def test_a_first_observation_asked_for_inside_no_grad_still_observes():
+    """A kind's first observation may be asked for from inside an evaluation (no_grad, or the
+    variant's inference_mode): it measures gradients all the same, instead of failing into the
+    declared traits and the rows weighting."""
+    kind = TinyLlama()
+    observation._OBSERVED.pop(observation._key(kind), None)  # this process's observation of it, forgotten
+    with torch.no_grad():
+        found = observe(kind)
+    assert found.error is None and found.loss_items == "next-token labels", found.error

@@ -1,5 +1,7 @@
 """Standalone reproduction scripts: generated from a real run, run with nothing of this
-project importable, they reproduce the same signature (or complete when the cell passed)."""
+project importable, they reproduce the same signature: an exception of the stack, or a check of
+the matrix with its numbers (exit 1); every check holds where the cell passed (exit 0), with the
+numbers the matrix recorded."""
 
 import json
 import os
@@ -67,39 +69,83 @@ def write_script(cell, run_dir, tmp_path) -> Path:
     return script
 
 
-def run_standalone(script, tmp_path):
+def run_standalone(script, tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
 
 
-@pytest.mark.parametrize("cell", FAILING)
+def record_of(run_dir, cell) -> dict:
+    return next(c for c in json.loads((run_dir / "results.json").read_text())["cells"] if c["id"] == cell)
+
+
+@pytest.mark.parametrize("cell", [*FAILING, CHECK_FAILURE])
 def test_a_script_reproduces_the_failing_cells_signature(cell, run_dir, tmp_path):
-    record = next(c for c in json.loads((run_dir / "results.json").read_text())["cells"] if c["id"] == cell)
+    record = record_of(run_dir, cell)
     script = write_script(cell, run_dir, tmp_path)
     text = script.read_text()
     assert "matrix" not in "".join(line for line in text.splitlines() if line.startswith(("import", "from")))
     assert "pip install torch==" in text and record["signature"]["text"] in text
-    done = run_standalone(script, tmp_path)
+    done = run_standalone(script, tmp_path, "--json", str(tmp_path / "out.json"))
     assert done.returncode == 1, done.stdout + done.stderr
     reproduced = done.stdout.strip().splitlines()[-1]
-    assert reproduced.startswith(f"REPRODUCED in {record['phase']}: {record['signature']['exception']}: ")
+    name = record["signature"]["exception"].rsplit(".", 1)[-1]
+    assert reproduced.startswith(f"REPRODUCED in {record['phase']}: {name}: ")
     assert normalize_message(reproduced.split(": ", 2)[2]) == record["signature"]["message"]
+    outcome = json.loads((tmp_path / "out.json").read_text())
+    assert outcome["outcome"] == "reproduced" and outcome["failure"]["name"] == name
+    assert outcome["environment"]["torch"] and outcome["environment"]["cpu_capability"]
+
+
+def test_a_check_failure_shows_its_numbers_and_allowance(run_dir, tmp_path):
+    """A check the matrix made (not an exception of the stack): the script prints the comparison
+    that failed, with both sides and what was allowed."""
+    done = run_standalone(write_script(CHECK_FAILURE, run_dir, tmp_path), tmp_path)
+    failed = [line for line in done.stdout.splitlines() if line.startswith("CHECK ") and line.endswith("FAILED")]
+    assert failed == [
+        "CHECK checkpoint_reload DtypeContractBroken: after reload: 2 tensors changed dtype against 0, "
+        "allowed none: FAILED"
+    ], done.stdout
 
 
 @pytest.mark.parametrize("cell", PASSING)
-def test_a_script_for_a_passing_cell_completes(cell, run_dir, tmp_path):
-    done = run_standalone(write_script(cell, run_dir, tmp_path), tmp_path)
+def test_a_script_for_a_passing_cell_holds_with_the_records_numbers(cell, run_dir, tmp_path):
+    done = run_standalone(write_script(cell, run_dir, tmp_path), tmp_path, "--json", str(tmp_path / "out.json"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().endswith("not reproduced: every phase completed")
+    assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
+    metrics = record_of(run_dir, cell)["metrics"]
+    checks = json.loads((tmp_path / "out.json").read_text())["checks"]
+    against_fp32 = [c for c in checks if c["name"] == "OutOfTolerance"]
+    assert against_fp32, checks
+    # the same evaluation and the same fp32 reference as the matrix's, to the last bit on a CPU
+    assert against_fp32[-1]["value"] == metrics["eval_loss"]
+    assert against_fp32[-1]["reference"] == metrics["fp32_reference_loss"]
+    if "curve" in metrics:
+        curve = [c["value"] for c in checks if c["name"] == "CurveDiverged" and "fp32 twin" in c["what"]]
+        assert curve == metrics["curve"]["losses"]
+
+
+def test_a_script_that_meets_another_failure_exits_2(run_dir, tmp_path):
+    """The failure the run recorded is looked for; another one is named as such, with exit 2."""
+    cell = PASSING[0]
+    text = write_script(cell, run_dir, tmp_path).read_text()
+    wanted = "TARGET = {'phase': 'evaluate', 'name': 'OutOfTolerance', 'text': 'as if the run had seen it'}"
+    script = tmp_path / "other.py"
+    script.write_text(
+        text.replace("TARGET = None", wanted).replace(
+            "def checkpoint_reload(cell):",
+            "def checkpoint_reload(cell):\n    raise KeyError('not the failure the run saw')",
+        )
+    )
+    done = run_standalone(script, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("ANOTHER FAILURE in checkpoint_reload: KeyError: ")
 
 
 @pytest.mark.parametrize(
     ("cell", "message"),
     [
-        (CHECK_FAILURE, "failed a matrix check (matrix.checks.DtypeContractBroken), not a stack exception"),
-        ("tiny-llama-fp32-eval-cpu-accelerate", "only torch-engine cells are written as standalone scripts so far"),
         ("no-such-cell", "no cell 'no-such-cell'"),
     ],
 )
@@ -132,6 +178,8 @@ def test_a_script_carries_an_explorations_variant(variant, outcome, tmp_path):
     assert done.returncode == outcome, done.stdout + done.stderr
     if outcome:
         assert "REPRODUCED in evaluate: RuntimeError: expected scalar type Float but found BFloat16" in done.stdout
+    else:
+        assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
 
 
 def test_a_variant_the_model_cannot_take_is_refused(tmp_path):

@@ -299,3 +299,18 @@ def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_
     assert {c["engine"] for c in cells.values()} == {"torch", "accelerate", "lightning"}
     assert cells["downstream-bag-fp32-train-cpu-torch"]["outcome"] == "passed"
     assert cells["downstream-bag-fp32-train-cpu-torch"]["phases"]["checkpoint_reload"] == "passed"
+
+
+def test_a_library_exception_that_is_not_an_exception_fails_its_cell_in_a_rank_too(matrix_cpu, tmp_path):
+    """torch.distributed.checkpoint's CheckpointException derives from BaseException: a rank that
+    let it through its except clauses died, and the cell read `rank died` with none of the library's
+    message (the every-engine sweep's sig-53732297). A user's kind raising one (-p base_exception_kind)
+    fails its cell with its own signature, in one process and in a rank alike."""
+    selection = ("--model", "base-exception-kind", "--precision", "bf16-mixed", "--mode", "eval")
+    done, cells = matrix_cpu(tmp_path, "-p", "base_exception_kind", *selection, "--engine", "torch,ddp")
+    prefix = "base-exception-kind-bf16-mixed-eval-cpu-"
+    assert set(cells) == {prefix + "torch", prefix + "ddp"}, done.stdout[-2000:]
+    for cell in cells.values():
+        assert cell["outcome"] == "failed" and cell["phase"] == "evaluate", (cell["id"], cell["message"])
+        assert cell["signature"]["exception"].endswith("LibraryAbort"), cell["signature"]
+        assert "LibraryAbort: the library gave up on this rank" in cell["message"], cell["message"]

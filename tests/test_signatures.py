@@ -132,3 +132,44 @@ def test_a_matrix_check_called_by_a_library_keeps_the_check_as_origin():
     with pytest.raises(checks.NonFiniteValue) as info:
         layer(torch.ones(1, 2))  # torch.nn.modules.module calls the hook
     assert origin_of(info.value) == "matrix.checks:check_finite_loss"
+
+
+def test_a_failure_carrying_other_tracebacks_is_signed_by_its_own_line_and_the_innermost_error():
+    """DCP's CheckpointException holds every rank's traceback in its message: the signature keeps its
+    first line and the error the tracebacks end in, not the frames (paths and line numbers that
+    change with every release)."""
+    from matrix.signatures import message_of, signature_of
+
+    gathered = (
+        "CheckpointException ranks:dict_keys([0, 1])\n"
+        "Traceback (most recent call last): (RANK 0)\n"
+        '  File "/site-packages/torch/distributed/checkpoint/utils.py", line 193, in reduce_scatter\n'
+        "    local_data = map_fun()\n"
+        "RuntimeError: Missing key in checkpoint state_dict: optimizer.state.unused.weight.step.\n"
+    )
+
+    class Gathered(BaseException):
+        pass
+
+    assert message_of(Gathered(gathered)) == (
+        "CheckpointException ranks:dict_keys([0, 1]): "
+        "RuntimeError: Missing key in checkpoint state_dict: optimizer.state.unused.weight.step."
+    )
+    signed = signature_of("checkpoint_reload", Gathered(gathered))
+    assert "Missing key in checkpoint state_dict" in signed.message and "File" not in signed.message
+    assert message_of(ValueError("one line\nand a second")) == "one line\nand a second"  # no traceback: as it is
+
+
+def test_what_a_cell_records_and_what_passes_through_its_except_clauses():
+    """A library's BaseException is the cell's failure (DCP's CheckpointException); the interpreter's
+    exits and pytest's outcomes (pytest-timeout stops a cell by raising Failed in it) pass through."""
+    from _pytest.outcomes import Failed, Skipped
+
+    from matrix.signatures import is_failure
+
+    class LibraryAbort(BaseException):
+        pass
+
+    assert is_failure(LibraryAbort("the library gave up")) and is_failure(ValueError("x"))
+    for passing in (Failed("Timeout"), Skipped("x"), KeyboardInterrupt(), SystemExit(1)):
+        assert not is_failure(passing), passing

@@ -95,7 +95,7 @@ class ZeroEngine(DistributedEngine, Loop):
 
     Run = DeepSpeedRun
     forward_autocasts = True  # DeepSpeed casts the module to its half dtype: no autocast around it
-    traits = frozenset({"casts-parameters"})
+    traits = frozenset({"casts-parameters", "steps-master-weights"})
     requires = ("deepspeed",)
     compile_how = "engine.compile() after deepspeed.initialize (the module compiled in place)"
 

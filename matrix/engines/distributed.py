@@ -35,6 +35,7 @@ import time
 from matrix.engines.base import Engine, Unsupported, reads
 from matrix.precisions import Precision
 from matrix.results.metrics import UNSET, CellMetrics, Distributed, given
+from matrix.signatures import is_failure
 
 WORLD_SIZE = 2  # --world-size; the plugin sets it
 
@@ -210,7 +211,9 @@ def rank_phase(context, phase: str) -> CellMetrics:
     state = context.cell
     try:
         pipeline.run_phase(state, phase)
-    except Exception as exc:
+    except BaseException as exc:  # a library's BaseException too (signatures.is_failure)
+        if not is_failure(exc):
+            raise
         if getattr(exc, "matrix_phase", None) is None:
             exc.matrix_phase = phase
         exc.matrix_payload = state.metrics  # what this rank measured before it raised

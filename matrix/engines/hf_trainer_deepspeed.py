@@ -45,7 +45,7 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
     """The Trainer with a DeepSpeed config of one ZeRO stage."""
 
     forward_autocasts = True  # DeepSpeed casts the module to its half dtype: no autocast around it
-    traits = frozenset({"casts-parameters"})
+    traits = frozenset({"casts-parameters", "steps-master-weights"})
     requires = (*HFTrainerEngine.requires, "deepspeed")
 
     @property

@@ -6,7 +6,11 @@ none is selected by none of them.
 An engine declares its traits as class data (`traits = frozenset({...})`, base.py Engine.traits);
 its compiled twin has them too, plus the engine's `compiled_traits`. The one list of them, with
 what each means, is ENGINE_TRAITS; a trait not listed here is an error where it is declared
-(tests/test_engine_traits.py) or selected (matrix/catalogue.py).
+(tests/test_conditions.py) or selected (matrix/catalogue.py).
+
+The traits also say which family of engines a loss curve is judged with (curve_family): engines
+whose library legitimately rounds a training step another way get rows measured on their own kind
+(matrix/curves.py FAMILIES, matrix/tolerances.py).
 """
 
 from __future__ import annotations
@@ -21,4 +25,22 @@ ENGINE_TRAITS: dict[str, str] = {
         "a compiled twin whose loop enters the precision's autocast outside the compiled model: the graph "
         "is traced under that autocast and casts every matmul's operands itself"
     ),
+    "steps-master-weights": (
+        "the library's optimizer wrapper keeps fp32 master weights of the module it cast to the half dtype and "
+        "steps those with the module's half gradients (DeepSpeed's bf16/fp16 optimizers and ZeRO stages)"
+    ),
 }
+
+# the trait that puts an engine in a curve family (matrix/curves.py FAMILIES), the first one it declares
+CURVE_FAMILY_BY_TRAIT: dict[str, str] = {
+    "steps-master-weights": "master-weights",
+    "casts-parameters": "casts-parameters",
+}
+
+
+def curve_family(traits: frozenset[str]) -> str:
+    """The family whose measured spread an engine's loss curves are judged by (matrix/tolerances.py):
+    that of its first trait in CURVE_FAMILY_BY_TRAIT, else the default (the torch loop's own)."""
+    from matrix.curves import DEFAULT_FAMILY
+
+    return next((family for trait, family in CURVE_FAMILY_BY_TRAIT.items() if trait in traits), DEFAULT_FAMILY)

@@ -26,6 +26,7 @@ from matrix.variants import MAX_POSITIONS, InvalidVariant, Variant, check_common
 VOCAB_SIZE = 99
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 INIT_SEED = 0
+PRETRAINED_FP32 = "pretrained-fp32"  # under a cell's workdir: the kind's fp32 weights, saved for *-loaded-* builds
 BATCH_SEED = 1234
 
 # What a model kind is, as far as known failures care: catalogue entries can select cells by
@@ -73,6 +74,26 @@ TRAITS: dict[str, str] = {
     ),
     "embeddings-in-no-split-module": (
         "its input embeddings sit inside a module its _no_split_modules lists (BERT: BertEmbeddings)"
+    ),
+    "fp32-parameters-in-half-loads": (
+        "its class keeps some trainable parameters in fp32 when loaded in bf16 or fp16 "
+        "(_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight)"
+    ),
+    "ignores-num-items-in-batch": (
+        "its transformers forward takes **kwargs, so the Trainer passes num_items_in_batch and scales its "
+        "loss by the process count, but its loss ignores it (MBartForCausalLM's own CrossEntropyLoss)"
+    ),
+    "tied-output-bias": (
+        "its output embeddings' bias is the same parameter as another module's (BERT-style heads: "
+        "cls.predictions.decoder.bias is cls.predictions.bias)"
+    ),
+    "unused-parameters": (
+        "has trainable parameters its training forward never uses: no gradient in the fp32 backward "
+        "(MBartForCausalLM's cross-attention, which a decoder without an encoder never calls)"
+    ),
+    "no-split-module-absent": (
+        "its _no_split_modules names a class it holds no module of (MBartForCausalLM inherits "
+        "MBartEncoderLayer from its family's list)"
     ),
 }
 
@@ -205,7 +226,7 @@ class ModelKind(abc.ABC):
         """The model in the precision's weights dtype, obtained the way the precision says."""
         self.require(precision)
         if precision.weights_from == "load":
-            directory = workdir / "pretrained-fp32"
+            directory = workdir / PRETRAINED_FP32
             if not directory.exists():
                 directory.mkdir(parents=True)
                 self.save(self.initialise(), directory)
@@ -279,6 +300,17 @@ class ModelKind(abc.ABC):
         model = self.load_quantized(base, replace(precision, quantization=None), device)
         model = prepare_for_training(model, precision.quantization)
         return PeftModel.from_pretrained(model, adapters, is_trainable=True, local_files_only=True)
+
+    def load_to_merge(self, adapters: Path, precision: Precision, device, workdir: Path) -> nn.Module:
+        """Saved adapters over the base quantized as build() quantizes it, the way a user who merges a
+        fine-tune loads it: not prepared for training (prepare_model_for_kbit_training casts the
+        base's unquantized tensors to fp32, which a merged save would then keep, and which a reload
+        asked for the precision's dtype casts back on transformers before 5.21: sig-9ab33610)."""
+        from peft import PeftModel
+
+        local_directory(adapters)
+        base = self.load_quantized(workdir / PRETRAINED_FP32, precision, device)
+        return PeftModel.from_pretrained(base, adapters, local_files_only=True)
 
     def merge_quantized(self, model: nn.Module) -> nn.Module:
         """The adapters merged into the quantized base (peft's merge_and_unload)."""

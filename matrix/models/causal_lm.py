@@ -84,7 +84,7 @@ class CausalLMKind(base.ModelKind):
     def standalone_code(self) -> str:
         from matrix.models.standalone import decoder_code
 
-        return decoder_code(self, base.PAD_TOKEN_ID, dtype_argument())
+        return decoder_code(self, base.PAD_TOKEN_ID)
 
     def config_kwargs(self) -> dict:
         return decoder_config(self.variant)

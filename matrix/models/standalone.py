@@ -1,6 +1,7 @@
-"""Standalone forms of the built-in model kinds, for reproduction scripts (matrix/repro.py):
+"""Standalone forms of the built-in model kinds, for reproduction scripts (matrix/repro/):
 the code that defines create(), save(), load_weights(), loss_of() and evaluate_model() with
-the upstream libraries alone. Each kind's standalone_code() fills one in (models/base.py); a
+the upstream libraries alone (a decoder also load_quantized(), for a quantized base under LoRA:
+matrix/repro/parts/quantized.py). Each kind's standalone_code() fills one in (models/base.py); a
 plugin's kind gets code that builds it through its own module (plugin_code)."""
 
 from __future__ import annotations
@@ -48,13 +49,18 @@ def loss_of(model, batch):
 
 
 def evaluate_model(model, batch):
-    return loss_of(model, batch)
+    logits = model(batch["input_ids"], batch.get("padding_mask"))
+    return F.cross_entropy(logits.float(), batch["labels"]), logits
 """
 
 DECODER = """
+import transformers
+from packaging.version import Version
 from transformers import {config_class}, {model_class}
 
 CONFIG = {config!r}
+# from_pretrained's dtype keyword where the script runs: transformers 4.56 renamed torch_dtype to dtype
+DTYPE = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
 def create():
@@ -66,7 +72,15 @@ def save(model, directory):
 
 
 def load_weights(directory, dtype):
-    return {model_class}.from_pretrained(directory, {dtype_argument}=dtype)
+    return {model_class}.from_pretrained(directory, **{{DTYPE: dtype}})
+
+
+def load_quantized(directory, dtype, quantization_config=None):
+    # as QLoRA scripts load: the quantization config (None: a checkpoint saved quantized, whose
+    # config carries it), the dtype of the unquantized weights, and a device map (bitsandbytes
+    # quantizes where it places a model, it is not moved after)
+    quantized = {{}} if quantization_config is None else {{"quantization_config": quantization_config}}
+    return {model_class}.from_pretrained(directory, **quantized, **{{DTYPE: dtype}}, device_map={{"": DEVICE}})
 
 
 def loss_of(model, batch):
@@ -76,7 +90,7 @@ def loss_of(model, batch):
 def evaluate_model(model, batch):
     out = model(**batch, use_cache={use_cache})
     {generate}
-    return out.loss
+    return out.loss, out.logits
 """
 
 GENERATE = (
@@ -85,20 +99,22 @@ GENERATE = (
 )
 
 LORA = """
+# -- builds on build()
 from peft import LoraConfig, PeftModel, get_peft_model
 
 build_base = build  # the base model in the precision, as for tiny-llama; peft keeps the adapters fp32
 
 
-def build():
-    base = build_base()
-    torch.manual_seed(0)
-    config = LoraConfig(r={rank}, lora_alpha={alpha}, lora_dropout={dropout}, target_modules={targets!r})
-    return get_peft_model(base, config)
+def build(precision):
+    base = build_base(precision)
+    with torch.random.fork_rng(devices=RNG_DEVICES):
+        torch.manual_seed(INIT_SEED)  # the adapters' initialisation
+        config = LoraConfig(r={rank}, lora_alpha={alpha}, lora_dropout={dropout}, target_modules={targets!r})
+        return get_peft_model(base, config)
 
 
-def reload(directory):
-    return PeftModel.from_pretrained(build_base(), directory, is_trainable=True)
+def reload(directory, precision):
+    return PeftModel.from_pretrained(build_base(precision), directory, is_trainable=True)
 """
 
 
@@ -152,7 +168,8 @@ def loss_of(model, batch):
 
 
 def evaluate_model(model, batch):
-    return KIND.evaluate(model, batch)
+    result = KIND.evaluate(model, batch)
+    return result.loss, result.logits
 """
 
 
@@ -169,7 +186,7 @@ def encoder_code(variant, vocab: int, pad: int, classes: int) -> str:
     )
 
 
-def decoder_code(decoder, pad: int, dtype_argument: str) -> str:
+def decoder_code(decoder, pad: int) -> str:
     variant = decoder.variant
     generate = "pass"
     if decoder.generate_tokens:
@@ -178,7 +195,6 @@ def decoder_code(decoder, pad: int, dtype_argument: str) -> str:
         config_class=decoder.config_class.__name__,
         model_class=decoder.model_class.__name__,
         config=decoder.config_kwargs(),
-        dtype_argument=dtype_argument,
         use_cache=variant.use_cache_in_eval,
         generate=generate,
     )

@@ -4,8 +4,9 @@
 header (counts, command, stack, machine, warnings), one grid per device x engine (models as
 rows, precision x mode as columns, coloured by outcome), a details panel per cell that a click
 on the cell shows (CSS :target) with a training cell's loss curve drawn against its references
-(inline SVG, `curve_figure`), the failure signatures, the catalogue entries, the
-explorations and the environment.
+(inline SVG, `curve_figure`), the failure signatures, the triage of the new ones (once
+python -m matrix triage has run: `triage_section`, from its triage.json), the catalogue entries,
+the explorations and the environment.
 
 Every string taken from the document is escaped, in text and in attributes alike; only http(s)
 URLs become links, and outcome values become class names only when they are known outcomes.
@@ -19,6 +20,7 @@ import math
 import re
 from urllib.parse import quote, urlsplit
 
+from matrix.curves import share_words
 from matrix.results.files import AXES, OUTCOMES, hardware_line, known_failure_keys
 from matrix.results.metrics import CellMetrics, Curve, CurveComparison, at_step, given, recorded_float
 from matrix.results.reach import Reach, reach
@@ -358,12 +360,20 @@ def curve_lines(metrics: dict) -> list[tuple[str, str]]:
                 if loss_value(value) is not None and loss_value(reference) is not None
                 else ""
             )
+            # how far past the row the step went, where both losses are numbers (a loss that is not
+            # finite left it by no measurable share)
+            allowed = loss_value(at_step(given(comparison.allowed), step))
+            margin = (
+                f", {share_words(abs(loss_value(value) - loss_value(reference)) / allowed, row_name(comparison))}"
+                if difference and allowed
+                else ""
+            )
             lines.append(
                 (
                     "outside",
                     f"leaves the {esc(name)}'s curve at step {esc(step)}: {esc(loss_text(value))} vs "
                     f"{esc(loss_text(reference))}{esc(difference)}, allowed "
-                    f"{esc(loss_text(at_step(given(comparison.allowed), step), '.2g'))}",
+                    f"{esc(loss_text(at_step(given(comparison.allowed), step), '.2g'))}{esc(margin)}",
                 )
             )
         elif worst is not None:
@@ -374,7 +384,8 @@ def curve_lines(metrics: dict) -> list[tuple[str, str]]:
             lines.append(
                 (
                     "within",
-                    f"within the {esc(name)}'s row{over}; nearest at step {esc(worst)}, {nearest} of what it allows",
+                    f"within the {esc(name)}'s row{over}; nearest at step {esc(worst)}, {nearest} of what it allows"
+                    + (f" (the {esc(row_name(comparison))} row)" if row_name(comparison) else ""),
                 )
             )
     skipped = [
@@ -386,6 +397,14 @@ def curve_lines(metrics: dict) -> list[tuple[str, str]]:
     if skipped:
         lines.append(("skipped", f"not drawn, not finite: {'; '.join(skipped)}"))
     return lines
+
+
+def row_name(comparison: CurveComparison) -> str | None:
+    """The name of the row that judged the comparison ("master-weights bfloat16": matrix/tolerances.py
+    names the rows it derives); None for a row without one (an older run's)."""
+    tolerance = given(comparison.tolerance)
+    row = tolerance.get("row") if isinstance(tolerance, dict) else None
+    return row if isinstance(row, str) and row else None
 
 
 def curve_figure(metrics) -> str:
@@ -745,6 +764,50 @@ def signatures_section(document: dict) -> str:
     )
 
 
+def triage_section(triage: dict | None) -> str:
+    """The run's triage (python -m matrix triage, its triage.json), when it has one: one row per
+    new signature with its classification and script, the drafts and findings folded under it."""
+    if not triage:
+        return ""
+    entries = triage.get("signatures") or []
+    if not entries:
+        return '<section id="triage"><h2>Triage</h2><p>No new failure: nothing to triage.</p></section>'
+    rows, drafts = [], []
+    for e in entries:
+        signature = e.get("signature") or {}
+        script = e.get("script")
+        script_cell = f'<a href="{esc(quote(script))}">{esc(script)}</a>' if script else "-"
+        rows.append(
+            [
+                f'<a href="{esc(href("signature", signature.get("id")))}"><code>{esc(signature.get("id"))}</code></a> '
+                f"{esc(signature.get('text'))}",
+                esc(len(e.get("cells") or [])),
+                f'<a href="{esc(href("cell", e.get("smallest_cell")))}"><code>{esc(e.get("smallest_cell"))}</code></a>',
+                f"<strong>{esc(e.get('classification'))}</strong>: {esc(e.get('summary'))}",
+                script_cell,
+            ]
+        )
+        parts = [f"<li>{esc(line)}</li>" for line in e.get("differed") or []]
+        found = f'<ul class="cells">{"".join(parts)}</ul>' if parts else ""
+        for title, text in (
+            ("draft catalogue entry", e.get("catalogue_entry")),
+            ("draft upstream issue", e.get("issue")),
+        ):
+            if text:
+                found += f"<details><summary>{title}</summary><pre>{pre_text(text)}</pre></details>"
+        if found:
+            drafts.append(f"<h3><code>{esc(signature.get('id'))}</code>: {esc(e.get('classification'))}</h3>{found}")
+    section = table_section(
+        "triage",
+        f"Triage: {len(entries)} new signature{'s' if len(entries) != 1 else ''}",
+        "Each new signature's smallest cell run as a standalone script in a fresh process (python -m matrix "
+        "triage): reproduces (an upstream candidate), does not reproduce (a harness suspect), another failure.",
+        ("signature", "cells", "smallest cell", "classification", "script"),
+        rows,
+    )
+    return section.removesuffix("</section>") + "".join(drafts) + "</section>"
+
+
 def known_failures_section(document: dict, known_keys: dict) -> str:
     entries = document.get("known_failures") or {}
     if not entries:
@@ -807,8 +870,9 @@ def environment_section(document: dict) -> str:
 # ------------------------------------------------------------------ the page
 
 
-def html_report(document: dict) -> str:
-    """The page for one results.json document, as a string (UTF-8 when written)."""
+def html_report(document: dict, triage: dict | None = None) -> str:
+    """The page for one results.json document, as a string (UTF-8 when written); `triage`: the
+    run's triage.json, when python -m matrix triage has run on it."""
     known_keys = known_failure_keys(document)
     shown = reach(document)
     # a cell left out of the grids has no panel: nothing links to it (every cell that ran is shown)
@@ -822,6 +886,7 @@ def html_report(document: dict) -> str:
             leaked_state_section(document),
             f'<div id="details">{details}</div>',
             signatures_section(document),
+            triage_section(triage),
             known_failures_section(document, known_keys),
             explorations_section(document),
             environment_section(document),

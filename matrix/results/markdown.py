@@ -359,7 +359,8 @@ def curves_markdown(cells: list[dict]) -> list[str]:
         + (f"; {failed} {'reference' if failed == 1 else 'references'} failed themselves" if failed else "")
         + (
             f". The {min(len(deviating), CURVE_ROWS)} nearest their rows or past them, the largest share of what "
-            "the row allows first (a row allows atol + rtol x |reference| + per_step x (step - 1)):"
+            "the row allows first (a row allows atol + rtol x |reference| + per_step x (step - 1); a named row is "
+            "derived from the measured spread of the right engines of its engine family, matrix/curve_spread.json):"
             if deviating
             else "."
         ),
@@ -387,11 +388,19 @@ def curves_markdown(cells: list[dict]) -> list[str]:
         if steps is None and isinstance(given(comparison.deviations), list):
             steps = len(comparison.deviations)
         share = share_text(recorded_float(comparison.worst_share))
+        # the row's name where the run recorded one (matrix/tolerances.py: its engine family and dtype)
+        tolerance = given(comparison.tolerance)
+        named = tolerance.get("row") if isinstance(tolerance, dict) else None
+        row = f"the {_md(named)} row" if isinstance(named, str) and named else "the row"
         lines.append(
             f"| `{_md(cell['id'])}` | {_md(reference)} | {'-' if steps is None else steps} | "
             f"{'-' if worst is None else worst} | {'-' if deviation is None else format(deviation, '.3g')} | "
             f"{'-' if allowed is None else format(allowed, '.3g')} | {share} | "
-            + (f"left the row at step {outside}" if outside is not None else "within")
+            + (
+                f"left {row} at step {outside}"
+                if outside is not None
+                else ("within" if row == "the row" else f"within {row}")
+            )
             + " |"
         )
     return lines
