@@ -25,6 +25,33 @@ def sliced(cells: dict, chosen: set[str]) -> dict:
     return dict(cells) if EVERY_CELL else {cell: target for cell, target in cells.items() if cell in chosen}
 
 
+def matrix_run_of(cells: dict, report_dir, *selection: str):
+    """One matrix run of `cells` (the axes `selection` names, then -k the cells), the scripts'
+    record: (the run's directory, its cells by id)."""
+    from conftest import run_matrix_cpu
+
+    done, document = run_matrix_cpu(report_dir, *selection, "-k", " or ".join(cells), run_id="run")
+    found = {c["id"]: c for c in document["cells"]}
+    assert sorted(found) == sorted(cells), done.stdout[-3000:]
+    return report_dir / "run", found
+
+
+def script_of(cell, run, tmp_path, limit_s: int):
+    """The cell's script, run on its own (a distributed engine's ranks started by it), nothing of
+    this project importable: (the process, its --json outcome)."""
+    from matrix.repro.generate import generate
+
+    script = tmp_path / f"{cell}.py"
+    script.write_text(generate(cell, run))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")}
+    out = tmp_path / "out.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--json", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit_s,
+    )  # fmt: skip
+    return done, json.loads(out.read_text()) if out.exists() else None
+
+
 # ---------------------------------------------------------------- DeepSpeed: deepspeed-zero0..3, hf-trainer-zero2/3
 # (nox -s deepspeed runs these; where deepspeed is not installed they skip, naming it)
 
@@ -55,39 +82,12 @@ DEEPSPEED_TEST_LIMIT_S = 1200 + DEEPSPEED_SCRIPT_LIMIT_S + 60
 @pytest.fixture(scope="module")
 def deepspeed_run(tmp_path_factory):
     """One matrix run of DEEPSPEED_CELLS (two gloo ranks each), the scripts' record."""
-    from conftest import run_matrix_cpu
-
-    report_dir = tmp_path_factory.mktemp("deepspeed-repro")
     selection = (
         "--model", "tiny-llama,lora,tiny-transformer",
         "--precision", "bf16-mixed,fp16-mixed",
         "--engine", "deepspeed-zero0,deepspeed-zero1,deepspeed-zero3,hf-trainer-zero2,hf-trainer-zero3",
-        "-k", " or ".join(DEEPSPEED_CELLS),
     )  # fmt: skip
-    done, document = run_matrix_cpu(report_dir, *selection, run_id="run")
-    cells = {c["id"]: c for c in document["cells"]}
-    assert sorted(cells) == sorted(DEEPSPEED_CELLS), done.stdout[-3000:]
-    return report_dir / "run", cells
-
-
-def deepspeed_script(cell, run, tmp_path):
-    """The cell's script, run on its own (its ranks started by it), nothing of this project
-    importable: (the process, its --json outcome)."""
-    from matrix.repro.generate import generate
-
-    script = tmp_path / f"{cell}.py"
-    script.write_text(generate(cell, run))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")}
-    out = tmp_path / "out.json"
-    done = subprocess.run(
-        [sys.executable, str(script), "--json", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=DEEPSPEED_SCRIPT_LIMIT_S,
-    )
-    return done, json.loads(out.read_text()) if out.exists() else None
+    return matrix_run_of(DEEPSPEED_CELLS, tmp_path_factory.mktemp("deepspeed-repro"), *selection)
 
 
 @needs_deepspeed
@@ -98,7 +98,7 @@ def test_deepspeed_script_reproduces_the_catalogued_failure(cell, deepspeed_run,
     record = cells[cell]
     phase, name = DEEPSPEED_CELLS[cell]
     assert record["outcome"] == "known" and record["phase"] == phase, record.get("signature")
-    done, outcome = deepspeed_script(cell, run, tmp_path)
+    done, outcome = script_of(cell, run, tmp_path, DEEPSPEED_SCRIPT_LIMIT_S)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert outcome["outcome"] == "reproduced" and outcome["phase"] == phase
     assert outcome["failure"]["name"] == name, outcome["failure"]
@@ -122,7 +122,7 @@ def test_deepspeed_script_of_a_passing_cell_holds_with_the_records_numbers(cell,
     run, cells = deepspeed_run
     metrics = cells[cell]["metrics"]
     assert cells[cell]["outcome"] == "passed"
-    done, outcome = deepspeed_script(cell, run, tmp_path)
+    done, outcome = script_of(cell, run, tmp_path, DEEPSPEED_SCRIPT_LIMIT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
     against_fp32 = [c for c in outcome["checks"] if c["name"] == "OutOfTolerance"]
@@ -160,39 +160,12 @@ RANK_ENGINE_SCRIPT_LIMIT_S = 600  # two spawned gloo ranks and the references: m
 @pytest.fixture(scope="module")
 def rank_engine_run(tmp_path_factory):
     """One matrix run of RANK_ENGINE_CELLS, the scripts' record."""
-    from conftest import run_matrix_cpu
-
-    report_dir = tmp_path_factory.mktemp("rank-engine-repro")
     selection = (
         "--model", "tiny-llama,tiny-transformer",
         "--precision", "bf16-mixed,bf16-mixed-bf16-reduce,fp16-true",
         "--engine", "ddp,fsdp2,accelerate-fsdp2",
-        "-k", " or ".join(RANK_ENGINE_CELLS),
     )  # fmt: skip
-    done, document = run_matrix_cpu(report_dir, *selection, run_id="run")
-    cells = {c["id"]: c for c in document["cells"]}
-    assert sorted(cells) == sorted(RANK_ENGINE_CELLS), done.stdout[-3000:]
-    return report_dir / "run", cells
-
-
-def rank_engine_script(cell, run, tmp_path):
-    """The cell's script run on its own, its ranks started by it, nothing of this project
-    importable: (the process, its --json outcome)."""
-    from matrix.repro.generate import generate
-
-    script = tmp_path / f"{cell}.py"
-    script.write_text(generate(cell, run))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")}
-    out = tmp_path / "out.json"
-    done = subprocess.run(
-        [sys.executable, str(script), "--json", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RANK_ENGINE_SCRIPT_LIMIT_S,
-    )
-    return done, json.loads(out.read_text()) if out.exists() else None
+    return matrix_run_of(RANK_ENGINE_CELLS, tmp_path_factory.mktemp("rank-engine-repro"), *selection)
 
 
 @pytest.mark.timeout(RANK_ENGINE_SCRIPT_LIMIT_S + 600)  # the fixture's matrix run comes first
@@ -202,7 +175,7 @@ def test_rank_engine_script_reproduces_the_catalogued_failure(cell, rank_engine_
     record = cells[cell]
     phase, name = RANK_ENGINE_CELLS[cell]
     assert record["outcome"] == "known" and record["phase"] == phase, record.get("signature")
-    done, outcome = rank_engine_script(cell, run, tmp_path)
+    done, outcome = script_of(cell, run, tmp_path, RANK_ENGINE_SCRIPT_LIMIT_S)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith(f"REPRODUCED in {phase}: {name}: ")
     assert outcome["outcome"] == "reproduced" and outcome["phase"] == phase
@@ -219,7 +192,7 @@ def test_rank_engine_script_of_a_passing_cell_holds_with_the_records_numbers(cel
     run, cells = rank_engine_run
     metrics = cells[cell]["metrics"]
     assert cells[cell]["outcome"] == "passed"
-    done, outcome = rank_engine_script(cell, run, tmp_path)
+    done, outcome = script_of(cell, run, tmp_path, RANK_ENGINE_SCRIPT_LIMIT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -275,39 +248,12 @@ LIBRARY_SCRIPT_LIMIT_S = 600  # a library's import, its loop and the references:
 @pytest.fixture(scope="module")
 def library_engine_run(tmp_path_factory):
     """One matrix run of LIBRARY_ENGINE_CELLS, the scripts' record."""
-    from conftest import run_matrix_cpu
-
-    report_dir = tmp_path_factory.mktemp("library-engine-repro")
     selection = (
         "--model", "tiny-llama",
         "--precision", "fp32,bf16-mixed,bf16-true,bf16-loaded-mixed",
         "--engine", "accelerate,hf-trainer,lightning",
-        "-k", " or ".join(LIBRARY_ENGINE_CELLS),
     )  # fmt: skip
-    done, document = run_matrix_cpu(report_dir, *selection, run_id="run")
-    cells = {c["id"]: c for c in document["cells"]}
-    assert sorted(cells) == sorted(LIBRARY_ENGINE_CELLS), done.stdout[-3000:]
-    return report_dir / "run", cells
-
-
-def library_engine_script(cell, run, tmp_path):
-    """The cell's script run on its own, nothing of this project importable: (the process, its
-    --json outcome)."""
-    from matrix.repro.generate import generate
-
-    script = tmp_path / f"{cell}.py"
-    script.write_text(generate(cell, run))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")}
-    out = tmp_path / "out.json"
-    done = subprocess.run(
-        [sys.executable, str(script), "--json", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=LIBRARY_SCRIPT_LIMIT_S,
-    )
-    return done, json.loads(out.read_text()) if out.exists() else None
+    return matrix_run_of(LIBRARY_ENGINE_CELLS, tmp_path_factory.mktemp("library-engine-repro"), *selection)
 
 
 def checked(outcome, name, what_starts=""):
@@ -322,7 +268,7 @@ def test_library_engine_script_reproduces_the_catalogued_failure(cell, library_e
     record = cells[cell]
     phase, name = LIBRARY_ENGINE_CELLS[cell]
     assert record["outcome"] == "known" and record["phase"] == phase, record.get("signature")
-    done, outcome = library_engine_script(cell, run, tmp_path)
+    done, outcome = script_of(cell, run, tmp_path, LIBRARY_SCRIPT_LIMIT_S)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith(f"REPRODUCED in {phase}: {name}: ")
     assert outcome["outcome"] == "reproduced" and outcome["phase"] == phase
@@ -349,7 +295,7 @@ def test_library_engine_script_of_a_passing_cell_holds_with_the_records_numbers(
     run, cells = library_engine_run
     metrics = cells[cell]["metrics"]
     assert cells[cell]["outcome"] == "passed"
-    done, outcome = library_engine_script(cell, run, tmp_path)
+    done, outcome = script_of(cell, run, tmp_path, LIBRARY_SCRIPT_LIMIT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
