@@ -326,7 +326,9 @@ def generate(cell_id: str, run: Path | None = None, variant: str | None = None) 
     model_code = kind.standalone_code().strip("\n")
     engine_code = part(engine_part(engine).name)
     # the ranks' process group, rows and gathered evaluation, for an engine part built on RankEngine
-    group_part = [part("distributed.py")] if engine.distributed and "(RankEngine)" in engine_code else []
+    shared_parts = [part("distributed.py")] if engine.distributed and "(RankEngine)" in engine_code else []
+    # the step replay of a loop its library runs in one go, for an engine part built on ReplayedLoop
+    shared_parts += [part("library_loop.py")] if "(ReplayedLoop)" in engine_code else []
     return "\n\n".join(
         [
             header,
@@ -338,7 +340,7 @@ def generate(cell_id: str, run: Path | None = None, variant: str | None = None) 
             "# ---------------------------------------------------------------- the harness's measurements and rules",
             part("measure.py"),
             "# ---------------------------------------------------------------- the engine",
-            *group_part,
+            *shared_parts,
             engine_code,
             "# ---------------------------------------------------------------- the phases",
             *_before_main(part("phases.py"), precision_parts(precision)),

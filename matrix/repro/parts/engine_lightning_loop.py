@@ -93,7 +93,9 @@ def lightning_back_on_device(module):
         module.to(DEVICE)
 
 
-class LightningLoop:
+class LightningLoop(ReplayedLoop):
+    total = LIGHTNING_TOTAL
+
     owns_loop = True
 
     def new_run(self, model, training, resumed=False):
@@ -206,34 +208,6 @@ class LightningLoop:
             except Exception as exc:  # raised where the phases ask for what it prevented
                 progress["error"] = exc
         return progress
-
-    @staticmethod
-    def fail(progress, missing):
-        if progress["error"] is not None:
-            raise progress["error"]
-        raise CheckFailed("CheckFailure", missing)
-
-    @staticmethod
-    def paused(progress):
-        return progress["held"] is not None and progress["handed"] == (0 if progress["resumed"] else STEPS)
-
-    def train(self, run, steps, seeds=None):
-        progress = run["progress"]
-        if seeds is not None:
-            progress["seeds"] = seeds
-        progress = self.ran(run)
-        start, end = progress["handed"], progress["handed"] + steps
-        if len(progress["losses"]) < end:
-            ran = len(progress["losses"]) - start
-            self.fail(progress, f"the library's loop ran {ran} of the {steps} steps asked for")
-        if progress["resumed"]:
-            end = len(progress["losses"])  # all it ran: one step, unless it restarted
-        progress["handed"] = end
-        if progress["error"] is not None and (progress["resumed"] or end >= LIGHTNING_TOTAL):
-            raise progress["error"]  # after its last step: the library failed as its loop ended
-        counts = [progress["applied_after"][start - 1] if start else progress["applied_before"]]
-        counts += progress["applied_after"][start:end]
-        return [(progress["losses"][start + i], counts[i + 1] != counts[i]) for i in range(end - start)]
 
     def evaluate(self, run):
         progress = run["progress"]
