@@ -229,13 +229,7 @@ class HFTrainerLoop(ReplayedLoop):
         if progress is None:  # an evaluation cell: the Trainer's evaluate(), then through its model
             run["trainer"].evaluate()
             return self.library_evaluation(run)
-        progress = self.ran(run)
-        evaluation = None
-        if self.paused(progress):
-            evaluation = progress["held"]["evaluation"] if progress["resumed"] else progress["evaluation"]
-        if evaluation is None:
-            self.fail(progress, "the library ran no evaluation on its schedule")
-        return evaluation
+        return self.held_evaluation(run)
 
     def weights(self, run):
         progress = run["progress"]

@@ -217,13 +217,7 @@ class LightningLoop(ReplayedLoop):
             if run["module"].validation_output is None:
                 raise CheckFailed("CheckFailure", "Lightning ran no validation")
             return run["module"].validation_output
-        progress = self.ran(run)
-        evaluation = None
-        if self.paused(progress):
-            evaluation = progress["held"]["evaluation"] if progress["resumed"] else progress["evaluation"]
-        if evaluation is None:
-            self.fail(progress, "the library ran no evaluation on its schedule")
-        return evaluation
+        return self.held_evaluation(run)
 
     def weights(self, run):
         progress = run["progress"]

@@ -38,3 +38,14 @@ class ReplayedLoop:
         counts = [progress["applied_after"][start - 1] if start else progress["applied_before"]]
         counts += progress["applied_after"][start:end]
         return [(progress["losses"][start + i], counts[i + 1] != counts[i]) for i in range(end - start)]
+
+    def held_evaluation(self, run):
+        """The evaluation the library took where the phases are (after step k, or after the resumed
+        step), its loop run first; a library that ran none fails as the matrix's LibraryLoop does."""
+        progress = self.ran(run)
+        evaluation = None
+        if self.paused(progress):
+            evaluation = progress["held"]["evaluation"] if progress["resumed"] else progress["evaluation"]
+        if evaluation is None:
+            self.fail(progress, "the library ran no evaluation on its schedule")
+        return evaluation
