@@ -748,9 +748,8 @@ def _check_merged_save(state: CellState, adapters) -> None:
 
     kind, precision, record = state.kind, state.precision, state.metrics.quantized
     directory = adapters.parent / "merged"
-    # loaded as a user who merges loads it (not prepared for training: matrix/models/base.py load_to_merge)
-    as_adapters = evaluate_as_run(state, kind.load_to_merge(adapters, precision, state.device, state.workdir)).logits
-    merged = kind.merge_quantized(kind.load_to_merge(adapters, precision, state.device, state.workdir))
+    as_adapters = evaluate_as_run(state, kind.load(adapters, precision, state.device, state.workdir)).logits
+    merged = kind.merge_quantized(kind.load(adapters, precision, state.device, state.workdir))
     merged_outputs = evaluate_as_run(state, merged).logits
     record.merged_deviation_max_abs = (merged_outputs.float() - as_adapters.float()).abs().max().item()
     kind.save_merged(merged, directory)

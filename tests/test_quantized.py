@@ -413,24 +413,3 @@ def test_a_view_of_what_a_library_cast_keeps_the_library_dtypes():
     assert {p.dtype for p in into_source.parameters()} == {torch.float16}
     assert torch.equal(into_source[0].weight, source[0].weight)
     assert into_source[0].weight.data_ptr() != source[0].weight.data_ptr()  # a copy, not the library's tensor
-
-
-@needs_bitsandbytes
-@pytest.mark.parametrize(("model", "precision"), [("lora", "int8-fp16-mixed"), ("qlora", "nf4-bf16-mixed")])
-def test_the_merged_save_starts_from_a_base_loaded_as_users_merge_it(model, precision, tmp_path):
-    """sig-9ab33610 (48 CUDA cells, transformers 5.17): the merged save's model came from the
-    training load, prepared by prepare_model_for_kbit_training, which casts the base's unquantized
-    tensors to fp32; save_pretrained kept them fp32, and a reload asked for the precision's dtype
-    cast them back on transformers before 5.21, so the logits differed. A user merges a base loaded
-    for inference: its unquantized floating tensors are in the precision's dtype, as a reload gives."""
-    kind, wanted = MODELS[model], PRECISIONS[precision]
-    trained = _built(model, precision, tmp_path)  # writes the fp32 weights the quantized base loads
-    adapters = tmp_path / "adapters"
-    kind.save(trained, adapters)
-    to_merge = kind.load_to_merge(adapters, wanted, torch.device("cpu"), tmp_path)
-    merged = kind.merge_quantized(to_merge)
-    floating = {n: p.dtype for n, p in merged.named_parameters() if p.dtype.is_floating_point}
-    assert floating and set(floating.values()) == {wanted.weights_dtype}, floating
-    # the training load, by contrast, holds them in fp32 (what the merged save used to start from)
-    prepared = kind.load(adapters, wanted, torch.device("cpu"), tmp_path)
-    assert any(p.dtype == torch.float32 for n, p in prepared.named_parameters() if "lora_" not in n)

@@ -301,17 +301,6 @@ class ModelKind(abc.ABC):
         model = prepare_for_training(model, precision.quantization)
         return PeftModel.from_pretrained(model, adapters, is_trainable=True, local_files_only=True)
 
-    def load_to_merge(self, adapters: Path, precision: Precision, device, workdir: Path) -> nn.Module:
-        """Saved adapters over the base quantized as build() quantizes it, the way a user who merges a
-        fine-tune loads it: not prepared for training (prepare_model_for_kbit_training casts the
-        base's unquantized tensors to fp32, which a merged save would then keep, and which a reload
-        asked for the precision's dtype casts back on transformers before 5.21: sig-9ab33610)."""
-        from peft import PeftModel
-
-        local_directory(adapters)
-        base = self.load_quantized(workdir / PRETRAINED_FP32, precision, device)
-        return PeftModel.from_pretrained(base, adapters, local_files_only=True)
-
     def merge_quantized(self, model: nn.Module) -> nn.Module:
         """The adapters merged into the quantized base (peft's merge_and_unload)."""
         return model.merge_and_unload()

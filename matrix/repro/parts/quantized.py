@@ -228,19 +228,12 @@ def check_prequantized_save(adapters):
     outputs_equal("eval logits over the saved quantized base", before, evaluate_as_run(again)[1])
 
 
-def loaded_to_merge(adapters):
-    """The adapters over the base quantized anew, as a user who merges a fine-tune loads it: not
-    prepared for training (prepare_model_for_kbit_training casts the unquantized tensors to fp32)."""
-    base = load_quantized(os.path.join(WORKDIR, "pretrained-fp32"), CELL["weights"], bnb_config(CELL["quantization"]))
-    return PeftModel.from_pretrained(base, adapters)
-
-
 def check_merged_save(adapters):
     """The adapters merged into the quantized base (peft's merge_and_unload), evaluated, saved,
     read back with the kind's quantized load (the checkpoint's own config), evaluated again."""
     directory = os.path.join(os.path.dirname(adapters), "merged")
-    as_adapters = evaluate_as_run(loaded_to_merge(adapters))[1]
-    merged = loaded_to_merge(adapters).merge_and_unload()
+    as_adapters = evaluate_as_run(reload(adapters, CELL))[1]
+    merged = reload(adapters, CELL).merge_and_unload()
     merged_outputs = evaluate_as_run(merged)[1]
     deviation = (merged_outputs.float() - as_adapters.float()).abs().max().item()
     print(f"       merging moved the logits by {deviation:.3g} at most (recorded, not checked)")
