@@ -107,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--run", type=Path, help="a report directory or results.json: its pins and failing phase")
     repro.add_argument("-o", "--output", type=Path, help="where to write the script (default: stdout)")
     repro.add_argument("--variant", help="settings as JSON, as an exploration's finding records them")
+    repro.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks a distributed engine's script starts (default: the ranks the run's cell had, else the matrix's 2)",
+    )
     triaged = commands.add_parser(
         "triage",
         help="run each new signature's smallest cell as a standalone script in a fresh process and classify it: "
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         from matrix.repro import ReproError, generate
 
         try:
-            script = generate(args.cell, args.run, args.variant)
+            script = generate(args.cell, args.run, args.variant, world=args.world_size)
         except ReproError as error:
             print(f"python -m matrix repro: {error}", file=sys.stderr)
             return 2

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,9 @@ class Comparison:
     first_step_outside: int | None = None  # 1-based; None: every step within the row
     worst_step: int | None = None  # the step nearest its limit (largest deviation / allowed)
     worst_share: float | None = None  # that step's deviation as a share of what it allows
+    # the half dtype a side's losses were handed over in ({"losses": "bfloat16"}): half a step of
+    # it is added to each step's allowance (compare); None: both sides float32
+    rounding: dict[str, str] | None = None
 
     @property
     def held(self) -> bool:
@@ -111,10 +115,13 @@ class Comparison:
         row = self.tolerance
         allowed = self.allowed[step - 1]
         share = abs(value - reference) / allowed if allowed > 0 else math.inf
+        rounding = "".join(
+            f" + half a {dtype} step, the {side} being {dtype} numbers" for side, dtype in (self.rounding or {}).items()
+        )
         return (
             f"step {step}: {value:.6g} vs {reference:.6g}, |difference| {abs(value - reference):.3g} > allowed "
             f"{allowed:.3g}, {share_words(share, row.row)} (atol {row.atol:g} + rtol {row.rtol:g} x |reference| + "
-            f"{row.per_step:g} per step after the first)"
+            f"{row.per_step:g} per step after the first{rounding})"
         )
 
     def as_dict(self) -> dict:
@@ -128,6 +135,7 @@ class Comparison:
             "first_step_outside": self.first_step_outside,
             "worst_step": self.worst_step,
             "worst_share": self.worst_share,
+            **({"rounding": self.rounding} if self.rounding else {}),
         }
 
 
@@ -146,12 +154,57 @@ def share_words(share: float | None, row: str | None = None) -> str:
     return f"{share:.0%} of {the_row}" if share >= 0.1 or share == 0 else f"{share:.1%} of {the_row}"
 
 
+# a half dtype's significand bits below the sign and exponent: (name, bits kept of float32's 23)
+HALF_FORMATS = (("bfloat16", 7), ("float16", 10))
+
+
+def reported_in(values: list[float]) -> str | None:
+    """The half dtype every finite value of a curve is exactly a number of, where one is: the
+    engine handed its losses over in that dtype (an fp32 loss lands on a bfloat16 number with
+    probability 2^-16 per step). None: a float32 (or wider) curve."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return None
+    for name, kept in HALF_FORMATS:
+        if all(_exactly_half(v, name, kept) for v in finite):
+            return name
+    return None
+
+
+def _exactly_half(value: float, name: str, kept: int) -> bool:
+    if value == 0:
+        return True
+    (bits,) = struct.unpack("<I", struct.pack("<f", value))
+    if struct.unpack("<f", struct.pack("<I", bits))[0] != value:
+        return False  # not even a float32
+    if bits & ((1 << (23 - kept)) - 1):
+        return False
+    exponent = (bits >> 23) & 0xFF
+    return name == "bfloat16" or 127 - 14 <= exponent <= 127 + 15  # float16's normal range
+
+
+def half_step(dtype: str | None, around: float) -> float:
+    """Half the spacing of `dtype`'s numbers at `around`: how far rounding a value into it can
+    move it (0 for None, a float32 curve)."""
+    if dtype is None or around == 0 or not math.isfinite(around):
+        return 0.0
+    kept = dict(HALF_FORMATS)[dtype]
+    return 2.0 ** (math.floor(math.log2(abs(around))) - kept) / 2
+
+
 def compare(losses: list[float], reference: list[float], tolerance: CurveTolerance, name: str) -> Comparison:
     """`losses` against `reference`, step by step over the steps both took. A loss that is not
-    finite where the reference's is leaves the row at once."""
+    finite where the reference's is leaves the row at once. A side whose losses are handed over
+    in a half dtype (reported_in) was rounded into it: half a step of that dtype at the larger of
+    the two losses is added to what the row allows (recorded in `rounding`), so the row keeps judging the
+    arithmetic, not the rounding of the number reported."""
     result = Comparison(name, list(reference), tolerance)
+    rounded = {"losses": reported_in(list(losses)), "reference": reported_in(list(reference))}
+    result.rounding = {side: dtype for side, dtype in rounded.items() if dtype is not None} or None
     for step, (value, expected) in enumerate(zip(losses, reference, strict=False), start=1):
         allowed = tolerance.allowed(step, expected)
+        # at the larger of the two: a step's spacing doubles where a power of two lies between them
+        allowed += sum(half_step(dtype, max(abs(value), abs(expected))) for dtype in rounded.values())
         deviation = abs(value - expected)
         if math.isnan(deviation):
             deviation = math.inf

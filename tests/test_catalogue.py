@@ -347,6 +347,19 @@ def test_an_entry_that_only_a_long_curve_shows_is_in_force_only_in_runs_that_lon
             "matrix.resume:check_restored",
             "accelerate-fsdp2-checkpoint-steps-through-grad-scaler",
         ),
+        *[
+            (
+                Cell(model, precision, "train", "cuda", engine),
+                "checkpoint_reload: matrix.checks.CheckpointMismatch: eval logits of the saved merged model differ "
+                "after reload @ matrix.checks:check_outputs_equal",
+                "transformers-prequantized-reload-casts-saved-fp32-tensors",
+            )
+            for model, precision, engine in [
+                ("lora", "int8-fp16-mixed", "torch"),
+                ("qlora", "nf4-bf16-mixed", "lightning"),
+                ("lora", "nf4-fp16-mixed", "hf-trainer"),
+            ]
+        ],
     ],
 )
 def test_the_cuda_findings_of_the_h100_run_are_claimed_by_their_entries(cell, signature_text, entry_id):
@@ -357,3 +370,11 @@ def test_the_cuda_findings_of_the_h100_run_are_claimed_by_their_entries(cell, si
     # and the CPU twin of the cell is not claimed: accelerate makes no GradScaler there
     if entry_id.startswith("accelerate-fsdp2"):
         assert not entry.selects(Cell(cell.model, cell.precision, cell.mode, "cpu", cell.engine))
+
+
+def test_the_merged_save_entry_is_in_force_on_the_releases_that_cast_and_not_after():
+    """transformers 5.17.0 to 5.20.2 cast a pre-quantized checkpoint's saved fp32 tensors on reload
+    (run on the CPU and the H100); 5.21.0 keeps them: the entry names exactly those releases."""
+    entry = catalogue.load().by_id("transformers-prequantized-reload-casts-saved-fp32-tensors")
+    assert entry.versions_hold({"transformers": "5.17.0"}) and entry.versions_hold({"transformers": "5.20.2"})
+    assert not entry.versions_hold({"transformers": "5.21.0"}) and not entry.versions_hold({"transformers": "5.24.0"})

@@ -124,6 +124,36 @@ def test_a_script_for_a_passing_cell_holds_with_the_records_numbers(cell, run_di
     if "curve" in metrics:
         curve = [c["value"] for c in checks if c["name"] == "CurveDiverged" and "fp32 twin" in c["what"]]
         assert curve == metrics["curve"]["losses"]
+    if metrics.get("grad_scale") is not None and record_of(run_dir, cell)["mode"] == "train":
+        # the resumed run's grad scaler against the saved one, as matrix/resume.py check_restored
+        scaler = [c for c in checks if c["what"] == "grad scaler state after reload"]
+        assert scaler and scaler[0]["held"] and scaler[0]["value"] == scaler[0]["reference"], checks
+        assert scaler[0]["value"]["scale"] == metrics["grad_scale"]
+
+
+def test_a_distributed_script_starts_the_ranks_its_cell_had(run_dir, tmp_path):
+    """A run made with --world-size 1 (one GPU): the script starts one rank, in a process group of
+    its own, not the matrix's default two; without a record, --world-size (default 2) decides."""
+    from matrix.results.metrics import CellMetrics, Distributed
+
+    cell = "tiny-llama-bf16-mixed-train-cpu-ddp"
+    document = json.loads((run_dir / "results.json").read_text())
+    record = dict(record_of(run_dir, PASSING[0]), id=cell, engine="ddp", model="tiny-llama", precision="bf16-mixed")
+    record["metrics"] = CellMetrics(distributed=Distributed(world_size=1, backend="gloo")).as_dict()
+    document["cells"] = [record]
+    (tmp_path / "results.json").write_text(json.dumps(document))
+    settings = {
+        line.split(" = ", 1)[0]: line.split(" = ", 1)[1]
+        for line in repro.generate(cell, tmp_path / "results.json").splitlines()
+        if line.startswith(("WORLD_SIZE = ", "DISTRIBUTED = "))
+    }
+    assert settings == {"WORLD_SIZE": "1", "DISTRIBUTED": "True"}
+    assert "WORLD_SIZE = 2\n" in repro.generate(cell)
+    assert "WORLD_SIZE = 3\n" in repro.generate(cell, world=3)
+    script = tmp_path / "one_rank.py"
+    script.write_text(repro.generate(cell, tmp_path / "results.json"))
+    done = run_standalone(script, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_a_script_that_meets_another_failure_exits_2(run_dir, tmp_path):

@@ -80,6 +80,7 @@ REPRESENTATIVE = {
     "dcp-resume-needs-optimizer-state-of-every-parameter": "hf:mbart-fp32-train-cpu-fsdp2",
     "trainer-scales-a-loss-that-ignores-num-items": "hf:mbart-fp32-train-cpu-hf-trainer-zero2",
     "accelerate-fsdp2-checkpoint-steps-through-grad-scaler": "tiny-llama-fp16-mixed-eval-cuda-accelerate-fsdp2",
+    "transformers-prequantized-reload-casts-saved-fp32-tensors": "lora-int8-fp16-mixed-train-cpu-torch",
 }
 
 # the CPU selection the tests session runs (cheap cells of the torch engine); nox -s repro

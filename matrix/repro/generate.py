@@ -193,9 +193,26 @@ def fingerprint(document: dict | None) -> list[str]:
     return lines
 
 
-def generate(cell_id: str, run: Path | None = None, variant: str | None = None) -> str:
+def ranks_of(metrics, default: int) -> int:
+    """The ranks the run's cell had (a run made with --world-size 1 on one GPU), else `default`."""
+    from matrix.results.metrics import given
+
+    group = given(metrics.distributed)
+    recorded = given(group.world_size) if group is not None else None
+    return recorded if isinstance(recorded, int) and recorded > 0 else default
+
+
+def generate(cell_id: str, run: Path | None = None, variant: str | None = None, world: int | None = None) -> str:
     """The script for a cell; `run` (a report directory or results.json): its pins, the failure
-    to look for and what the run observed; `variant` (JSON, as an exploration records it)."""
+    to look for and what the run observed (the ranks its cell had among them); `variant` (JSON, as
+    an exploration records it); `world`: the ranks of a distributed engine where no run says."""
+    try:
+        return write_script(cell_id, run, variant, world)
+    except ModuleNotFoundError as error:  # the engine's library settles the script's settings (DeepSpeed's clipping)
+        raise ReproError(f"{cell_id}: writing its script needs {error.name}, which is not installed here") from error
+
+
+def write_script(cell_id: str, run: Path | None, variant: str | None, world: int | None) -> str:
     from matrix import observation
     from matrix.compiling import BACKEND
     from matrix.devices import DEVICES
@@ -305,7 +322,8 @@ def generate(cell_id: str, run: Path | None = None, variant: str | None = None) 
         "LOSS_FALL": loss_fall,
         "RESUME_ROW": resume_row,
         "ENGINE_SETTINGS": engine.settings(precision),
-        "WORLD_SIZE": world_size() if engine.distributed else 1,
+        "DISTRIBUTED": engine.distributed,  # its ranks are started by the script, one rank too
+        "WORLD_SIZE": ranks_of(metrics, world or world_size()) if engine.distributed else 1,
         # a distributed engine whose kind draws dropout masks: its first step is compared with dropout off
         "SPLIT_DRAWS": split_draws,
         "COMPILED": engine.compiled,

@@ -208,6 +208,9 @@ class CurveComparison(Record):
     first_step_outside: int | None = UNSET  # 1-based, null: every step within the row
     worst_step: int | None = UNSET  # the step nearest its limit
     worst_share: float | None = UNSET  # its deviation as a share of what the row allows there
+    # the half dtype a side's losses were handed over in ({"losses": "bfloat16"}): half a step of it
+    # is in `allowed` (matrix/curves.py compare)
+    rounding: dict | None = UNSET
     unchecked: str | None = UNSET  # why the curve was not compared with this reference
     reference_error: str | None = UNSET  # the reference's own failure (its signature text), instead
 

@@ -297,11 +297,38 @@ def seeded_training_loss(precision, model):
         model.train(was)
 
 
+def half_dtype_of(values):
+    """The half dtype every finite value is exactly a number of (the losses were handed over in
+    it; an fp32 loss lands on a bfloat16 number with probability 2^-16), else None."""
+    finite = torch.tensor([v for v in values if math.isfinite(v)], dtype=torch.float64)
+    if len(finite) == 0 or not torch.equal(finite.float().double(), finite):
+        return None
+    for dtype in (torch.bfloat16, torch.float16):
+        normal = (finite == 0).logical_or(finite.abs() >= torch.finfo(dtype).tiny).all()
+        if torch.equal(finite.float().to(dtype).double(), finite) and bool(normal):
+            return dtype
+    return None
+
+
+def half_step(dtype, around):
+    """Half the spacing of `dtype`'s numbers at `around` (0 for None: a float32 curve)."""
+    if dtype is None or around == 0 or not math.isfinite(around):
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(abs(around))) - {torch.bfloat16: 7, torch.float16: 10}[dtype]) / 2
+
+
 def curve_within(name, losses, reference, row, what):
-    """Step s (1-based) may differ by atol + rtol * |reference| + per_step * (s - 1)."""
+    """Step s (1-based) may differ by atol + rtol * |reference| + per_step * (s - 1), plus half a
+    step of a half dtype at the larger loss for each side whose losses are all numbers of it (as
+    the matrix: it judges the arithmetic, not the rounding of the number an engine reports)."""
     first_outside, worst_share = None, 0.0
+    rounded = [half_dtype_of(losses), half_dtype_of(reference)]
+    for side, dtype in zip(("losses", "reference"), rounded, strict=True):
+        if dtype is not None:
+            print(f"       the {what} comparison's {side} are {dtype} numbers: half a step of it added per step")
     for step, (loss, ref) in enumerate(zip(losses, reference, strict=False), start=1):
         allowed = row["atol"] + row["rtol"] * abs(ref) + row["per_step"] * (step - 1)
+        allowed += sum(half_step(dtype, max(abs(loss), abs(ref))) for dtype in rounded)
         share = abs(loss - ref) / allowed if allowed else math.inf
         worst_share = max(worst_share, share)
         held = abs(loss - ref) <= allowed

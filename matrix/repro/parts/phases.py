@@ -217,7 +217,7 @@ def checkpoint_save(cell):
     run = cell.run
     cell.run_logits = (cell.evaluation or ENGINE.evaluate(run))[1]
     if TRAINING:
-        cell.point = (ENGINE.optimizer_state(run), ENGINE.scaler_state(run))
+        cell.point = (ENGINE.optimizer_state(run), plain_scaler_state(ENGINE.scaler_state(run)))
     # what export() must read back as (an engine whose export is not its weights view says so)
     cell.exported = getattr(ENGINE, "exported", ENGINE.weights)(run)
     cell.exported_dtypes = tensor_dtypes(cell.exported)
@@ -251,9 +251,17 @@ def step_on(run):
     return [loss for loss, _ in attempts], step_tensors(run)
 
 
+def plain_scaler_state(state):
+    """A loss scaler's state with its one-element tensors as numbers, comparable with ==."""
+    if state is None:
+        return None
+    return {k: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in state.items()}
+
+
 def resumed_step(cell):
-    saved, _ = cell.point
+    saved, saved_scaler = cell.point
     restored_state = ENGINE.optimizer_state(cell.restored)
+    restored_scaler = plain_scaler_state(ENGINE.scaler_state(cell.restored))  # right after the restore
     missing = [name for name in saved if name not in restored_state]
     different = [
         n for n, v in saved.items() if n in restored_state and not torch.equal(v, restored_state[n].to(v.device))
@@ -266,6 +274,15 @@ def resumed_step(cell):
             f"optimizer state {what} after reload",
             f"{len(missing or different)} of {len(saved)} tensors, first {(missing or different)[0]}",
         )
+    elif saved_scaler is not None:
+        same = restored_scaler == saved_scaler
+        compared("CheckpointMismatch", "grad scaler state after reload", restored_scaler, saved_scaler, "equal", same)
+        if not same:
+            mismatch = CheckFailed(
+                "CheckpointMismatch",
+                "grad scaler state differs after reload",
+                f"{saved_scaler} before, {restored_scaler} after",
+            )
     before = trainable_snapshot(ENGINE.weights(cell.restored))
     uninterrupted, after_uninterrupted = step_on(cell.run)
     resumed, after_resume = step_on(cell.restored)
@@ -402,7 +419,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the outcome, every check's numbers and the environment here")
     args = parser.parse_args()
-    result = launch() if WORLD_SIZE > 1 else run_phases()
+    result = launch() if DISTRIBUTED else run_phases()
     failure = result["failure"]
     if failure is None:
         outcome, line, status = "holds", "HOLDS: every check of the cell held", 0
