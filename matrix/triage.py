@@ -459,8 +459,8 @@ def catalogue_entry(new: NewSignature, document: dict, script: str) -> str:
     )
     run = document["run"]["id"]
     notes = (
-        f"Found new in run {run} ({len(new.cells)} cells) and reproduced without the harness by "
-        f"python -m matrix triage: {script} ({new.smallest['id']}). TODO: the mechanism, and the "
+        f"Found new in run {run} ({len(new.cells)} cells) and reproduced without the harness by the "
+        f"script triage wrote, {script} ({new.smallest['id']}). TODO: the mechanism, and the "
         f"versions narrowed to the package at fault (these are the run's)."
     )
     lines = [
