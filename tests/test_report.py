@@ -256,3 +256,34 @@ def test_a_record_keeps_at_most_the_traceback_limit():
         Cell("tiny-llama", "fp32", "eval", "cpu"), "setup", "def test():\n>   fixture()\nE   OSError: disk full"
     )
     assert harness.traceback.endswith("E   OSError: disk full") and harness.message == harness.traceback
+
+
+def test_the_headline_counts_the_cells_that_ran_and_the_next_line_those_that_did_not(tmp_path):
+    from matrix.results.html import html_report
+
+    document = results_document(RUN, ENV, records(), (), table())
+    directory = write_report(tmp_path, document)
+    summary = (directory / "summary.md").read_text().split("\n")
+    # 2 failed and 1 passed ran; the cuda cell skipped: not "of 4 cells" beside a count of skips
+    assert summary[2] == "**2 new failures, 0 fixed, 0 known failures, 1 passed** of 3 cells that ran here, in 10.0 s."
+    assert summary[4] == "Not run here: 1 skipped cell of the 4 selected, for 1 reason ([below](#not-run-here))."
+    assert json.loads((directory / "results.json").read_text())["counts"]["skipped"] == 1  # results.json keeps it
+    page = html_report(document)
+    assert "</span> of 3 cells that ran here</p>" in page
+    assert 'Not run here: 1 skipped cell of the 4 selected, for 1 reason (<a href="#not-run">below</a>).' in page
+
+
+def test_a_run_where_nothing_ran_says_so_instead_of_a_line_of_zeros(tmp_path):
+    from matrix.results.html import html_report
+
+    skipped = [
+        record_builders.skipped_record(Cell(model, "fp32", "eval", "cuda"), "Requires: [CUDA device] (none visible)")
+        for model in ("tiny-transformer", "tiny-llama")
+    ]
+    document = results_document(RUN, ENV, [r.as_dict() for r in skipped], (), table())
+    summary = (write_report(tmp_path, document) / "summary.md").read_text().split("\n")
+    assert summary[2] == "**Nothing ran here: 0 of the 2 cells selected ran, so this run decides nothing** (10.0 s)."
+    assert summary[4] == "Not run here: 2 skipped cells of the 2 selected, for 1 reason ([below](#not-run-here))."
+    page = html_report(document)
+    assert '<span class="warning nothing-ran">Nothing ran here: 0 of the 2 cells selected ran' in page
+    assert "0 passed" not in page

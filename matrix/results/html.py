@@ -23,7 +23,8 @@ from urllib.parse import quote, urlsplit
 from matrix.curves import share_words
 from matrix.results.files import AXES, OUTCOMES, hardware_line, known_failure_keys
 from matrix.results.metrics import CellMetrics, Curve, CurveComparison, at_step, given, recorded_float
-from matrix.results.reach import Reach, reach
+from matrix.results.reach import Reach, not_run_sentence, nothing_ran_line, ran_here, reach
+from matrix.results.run_them import command
 
 UPSTREAM_REFERENCE = re.compile(r"([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#([0-9]+)")  # owner/repo#123
 
@@ -77,6 +78,13 @@ details summary { cursor: pointer; }
 def esc(value) -> str:
     """Document text as HTML text or attribute value; None is empty."""
     return "" if value is None else html.escape(str(value), quote=True)
+
+
+def code_spans(text: str) -> str:
+    """Text with `backquoted` commands (this module's own words, matrix/results/run_them.py) as
+    <code> elements, every part escaped."""
+    parts = text.split("`")
+    return "".join(f"<code>{esc(part)}</code>" if index % 2 else esc(part) for index, part in enumerate(parts))
 
 
 def pre_text(value) -> str:
@@ -463,9 +471,14 @@ def header(document: dict, shown: Reach) -> str:
         ("inapplicable", "not applicable here"),
         ("known", "known"),
         ("passed", "passed"),
-        ("skipped", "skipped"),
-    )
+    )  # the cells that ran; the skipped ones are the next line's (reach_line)
     badges = "".join(f'<span class="{outcome_class(o)}">{esc(counts.get(o, 0))} {label}</span>' for o, label in labels)
+    ran = ran_here(document)
+    headline = (
+        f"{badges} of {ran} cells that ran here"
+        if ran
+        else f'<span class="warning nothing-ran">{esc(nothing_ran_line(document))}</span>'
+    )
     banners = "".join(f'<p class="warning">warning: {esc(w)}</p>' for w in env.get("warnings") or [])
     missing = document.get("missing") or []
     if missing:
@@ -480,22 +493,15 @@ def header(document: dict, shown: Reach) -> str:
         banners = '<p class="warning incomplete">incomplete run: not every selected cell reported</p>' + banners
     return (
         f"<header><h1>Mixed-precision matrix: run <code>{esc(run.get('id'))}</code></h1>{banners}"
-        f'<p class="counts">{badges} of {len(document["cells"])} cells</p>{reach_line(document, shown)}'
+        f'<p class="counts">{headline}</p>{reach_line(document, shown)}'
         f"{kv_table(rows)}</header>"
     )
 
 
 def reach_line(document: dict, shown: Reach) -> str:
-    """How many cells ran here, and how many the grids leave out (reach.py)."""
-    counts = document.get("counts", {})
-    ran = len(document["cells"]) - counts.get("skipped", 0)
-    left_out = sum(len(group.cells) for group in shown.not_run)
-    if not left_out:
-        return f'<p class="reach">Ran here: {ran} cells; the grids hold every cell.</p>'
-    return (
-        f'<p class="reach">Ran here: {ran} cells. Not run here: {left_out} cells, for {len(shown.not_run)} '
-        f'reason{"s" if len(shown.not_run) != 1 else ""} (<a href="#not-run">why</a>).</p>'
-    )
+    """How many cells did not run here, and how many of them the grids leave out (reach.py)."""
+    sentence = not_run_sentence(document, shown, lambda text: f'<a href="#not-run">{text}</a>')
+    return f'<p class="reach">{sentence}</p>'
 
 
 def cell_label(cell: dict, known_keys: dict) -> tuple[str, str]:
@@ -672,9 +678,13 @@ def not_run_section(shown: Reach) -> str:
         f"Not run here: {sum(len(group.cells) for group in shown.not_run)} cells",
         "Left out of the grids: every cell of their device, of their precision column, of their model's cells "
         "in that column (a precision the kind cannot take: left empty in the grid) or of their model x engine row "
-        "skipped. Each reason says what they need.",
-        ("cells", "why", "which"),
-        [[str(len(g.cells)), esc(g.reason), esc(g.scope(shown.axes))] for g in shown.not_run],
+        "skipped. Each reason says what they need, and where a machine can give it, the command that runs them "
+        "(none: nothing runs them).",
+        ("cells", "why", "which", "to run them"),
+        [
+            [str(len(g.cells)), esc(g.reason), esc(g.scope(shown.axes)), code_spans(command(g, shown.axes) or "none")]
+            for g in shown.not_run
+        ],
     )
 
 

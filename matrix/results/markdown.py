@@ -24,7 +24,8 @@ from matrix.results.metrics import (
     recorded_float,
 )
 from matrix.results.phase_costs import slowest_phases_markdown
-from matrix.results.reach import reach
+from matrix.results.reach import not_run_sentence, nothing_ran_line, ran_here, reach
+from matrix.results.run_them import command
 
 # summary.md goes into a CI job's summary, which GitHub caps at 1 MiB: a new signature's
 # traceback there keeps its first lines and innermost frames in this many characters.
@@ -102,23 +103,20 @@ def summary_markdown(document: dict) -> str:
     stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
     counts = document["counts"]
     shown = reach(document)
-    left_out = sum(len(group.cells) for group in shown.not_run)
+    ran = ran_here(document)
     lines = [
         f"# Mixed-precision matrix: run {run['id']}",
         "",
-        f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
-        f"{counts['passed']} passed, {counts['skipped']} skipped"
-        + (f", {counts['inapplicable']} not applicable here" if counts.get("inapplicable") else "")
-        + f"** of {len(cells)} cells in {run.get('duration_s', 0):.1f} s.",
-        "",
-        f"Ran here: {len(cells) - counts['skipped']} cells. "
-        + (
-            f"Not run here: {left_out} cells, for {len(shown.not_run)} "
-            f"reason{'s' if len(shown.not_run) != 1 else ''} ([below](#not-run-here)); the grids "
-            f"hold the rest, {counts['skipped'] - left_out} of them skipped where others beside them ran."
-            if shown.not_run
-            else f"The grids hold every cell, {counts['skipped']} of them skipped."
+        (
+            f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
+            f"{counts['passed']} passed"
+            + (f", {counts['inapplicable']} not applicable here" if counts.get("inapplicable") else "")
+            + f"** of {ran} cells that ran here, in {run.get('duration_s', 0):.1f} s."
+            if ran
+            else f"**{nothing_ran_line(document)}** ({run.get('duration_s', 0):.1f} s)."
         ),
+        "",
+        not_run_sentence(document, shown, lambda text: f"[{text}](#not-run-here)"),
         "",
         f"- command: `{run['command']}`",
         f"- stack: {stack}",
@@ -417,13 +415,15 @@ def not_run_markdown(shown) -> list[str]:
         "",
         f"{total} cells are left out of the grids below: every cell of their device, of their precision column, "
         "of their model's cells in that column (a precision the kind cannot take: left empty in the grid) or of "
-        "their model x engine row skipped. Each reason says what they need.",
+        "their model x engine row skipped. Each reason says what they need, and where a machine can give it, "
+        "the command that runs them (none: nothing runs them).",
         "",
-        "| cells | why | which |",
-        "|---|---|---|",
+        "| cells | why | which | to run them |",
+        "|---|---|---|---|",
     ]
     for group in shown.not_run:
-        lines.append(f"| {len(group.cells)} | {_md(group.reason)} | {_md(group.scope(shown.axes))} |")
+        runs = command(group, shown.axes) or "none"
+        lines.append(f"| {len(group.cells)} | {_md(group.reason)} | {_md(group.scope(shown.axes))} | {_md(runs)} |")
     return lines
 
 

@@ -113,3 +113,31 @@ def reach(document: dict) -> Reach:
         NotRun(reason, tuple(group)) for reason, group in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     )
     return Reach(frozenset(c["id"] for c in cells) - out, not_run, everything)
+
+
+def ran_here(document: dict) -> int:
+    """How many of the run's cells ran here: every one but the skipped (results.json's counts)."""
+    return len(document["cells"]) - document.get("counts", {}).get("skipped", 0)
+
+
+def nothing_ran_line(document: dict) -> str:
+    """The headline of a run where no cell ran: it says so, not a line of zeros."""
+    return f"Nothing ran here: 0 of the {len(document['cells'])} cells selected ran, so this run decides nothing"
+
+
+def not_run_sentence(document: dict, shown: Reach, link) -> str:
+    """The sentence after the headline: how many cells did not run here (every skipped one), how
+    many of them the "Not run here" section lists (`link(text)` refers to it) and how many stay in
+    the grids, of how many selected."""
+    total, skipped = len(document["cells"]), document.get("counts", {}).get("skipped", 0)
+    if not total:
+        return "The run selected no cells."
+    if not skipped:
+        return f"Every one of the {total} cells selected ran here."
+    left_out = sum(len(group.cells) for group in shown.not_run)
+    reasons = f"for {len(shown.not_run)} reason{'s' if len(shown.not_run) != 1 else ''} ({link('below')})"
+    start = f"Not run here: {skipped} skipped cell{'s' if skipped != 1 else ''} of the {total} selected"
+    if left_out == skipped:
+        return f"{start}, {reasons}."
+    in_grids = f"{skipped - left_out} in the grids beside cells that ran"
+    return f"{start}: {left_out} {reasons}, {in_grids}." if left_out else f"{start}, {in_grids}."
