@@ -281,3 +281,21 @@ register(
         _grad_scaler_skipped_steps,
     )
 )
+
+
+def _legacy_matmul_getter_refused(context: Context) -> bool:
+    if context.metrics is None:
+        return True  # not run yet: what the cell's compile writes decides
+    return nested(context.metrics, "effective.legacy_matmul_getter_refused") is True
+
+
+register(
+    Condition(
+        "legacy-matmul-getter-refused",
+        "torch.get_float32_matmul_precision() refused when the cell's phases ended "
+        "(effective.legacy_matmul_getter_refused): the process mixed the legacy and per-backend fp32 "
+        "precision APIs, as Inductor's per-backend write makes it",
+        "cell",
+        _legacy_matmul_getter_refused,
+    )
+)

@@ -153,9 +153,21 @@ def run_cell(
                 after_phase(name)
             result.phases[name] = "passed"
     finally:
+        _record_matmul_getter(state)
         _end(state)
     result.duration_s = round(time.perf_counter() - start, 4)
     return result
+
+
+def _record_matmul_getter(state: CellState) -> None:
+    """Whether the phases left the legacy fp32 matmul precision getter refusing (what a cell
+    condition of the catalogue reads), before anything of the cell is put back."""
+    from matrix.global_state import legacy_matmul_getter_refuses
+    from matrix.results.metrics import Effective, given
+
+    if given(state.metrics.effective) is None:
+        state.metrics.effective = Effective()
+    state.metrics.effective.legacy_matmul_getter_refused = legacy_matmul_getter_refuses()
 
 
 def _end(state: CellState) -> None:

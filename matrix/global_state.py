@@ -73,6 +73,12 @@ def attribute(path: str, legacy: bool = False) -> Setting | None:
     )
 
 
+def legacy_matmul_getter_refuses() -> bool:
+    """Whether torch.get_float32_matmul_precision() refuses in this process now: the mechanism of
+    the catalogue's torch-mixed-matmul-precision-api-after-inductor, recorded per cell."""
+    return refusing(torch.get_float32_matmul_precision)() == REFUSED
+
+
 def refusing(read: Callable[[], object]) -> Callable[[], object]:
     """A legacy reading that torch refuses once the two fp32 precision APIs disagree: REFUSED then."""
 

@@ -390,3 +390,47 @@ def test_the_probe_counts_a_torch_optimizers_steps_and_is_none_without_one():
     assert not conditions.lookup("optimizer-stepped-at-construction").holds(
         Context(metrics={"engine_effective": {"optimizer_steps_at_construction": None}})
     )
+
+
+LIGHTNING_COMPILE = Cell("tiny-llama", "bf16-mixed", "train", "cuda", "lightning-compile")
+MIXED_API = (
+    "mid_training_eval: RuntimeError: PyTorch is checking the matmul precision without a specific backend name,"
+    "Current status indicate that you have used mix of the legacy and new APIs to set the matmul precision. "
+    "@ lightning.fabric.accelerators.cuda:_check_cuda_matmul_precision"
+)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "signature", "refused", "verdict"),
+    [
+        ("failed", MIXED_API, True, "known"),
+        ("passed", None, True, "fixed"),  # the getter refused and Lightning did not ask it: news
+        ("passed", None, False, "passed"),  # the H100 of issue 47: the compile wrote no per-backend setting
+        ("failed", MIXED_API, False, "failed"),  # the signature without the mechanism recorded: not this entry
+    ],
+)
+def test_the_matmul_api_entry_claims_the_cells_whose_getter_refused(outcome, signature, refused, verdict):
+    entry = catalogue.load().by_id("torch-mixed-matmul-precision-api-after-inductor")
+    assert entry.selects(LIGHTNING_COMPILE)
+    metrics = {"effective": {"legacy_matmul_getter_refused": refused}}
+    assert classify(outcome, signature, [entry], metrics)[0] == verdict
+
+
+def test_every_cell_records_whether_the_legacy_matmul_getter_refused_when_its_phases_ended(tmp_path):
+    """The probe the entry above reads, on a CPU: a cell in a process whose fp32 precision APIs
+    agree records false; in one where the per-backend API was written (what Inductor does while it
+    compiles on CUDA), true."""
+    import torch
+
+    from matrix.execute import run_cell
+
+    cell = Cell("tiny-transformer", "fp32", "eval", "cpu", "torch")
+    assert run_cell(cell, tmp_path / "agree").metrics.effective.legacy_matmul_getter_refused is False
+    before = torch.backends.cuda.matmul.fp32_precision
+    legacy = torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if before != "tf32" else "ieee"
+        assert run_cell(cell, tmp_path / "mixed").metrics.effective.legacy_matmul_getter_refused is True
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+        torch.set_float32_matmul_precision(legacy)

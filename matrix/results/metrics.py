@@ -151,6 +151,10 @@ class Effective(Record):
     autocast_dtype_in_forward: str | None = UNSET  # in force in the model's first forward
     first_linear_input_dtype: str | None = UNSET  # the first Linear module's input dtype
     model_training_in_first_forward: bool | None = UNSET  # train mode in the first training forward
+    # torch.get_float32_matmul_precision() refused when the cell's phases ended (the legacy and
+    # per-backend fp32 precision APIs were mixed in this process: Inductor writes the new one);
+    # read in the process that ran the phases, so a distributed engine's ranks are not seen
+    legacy_matmul_getter_refused: bool | None = UNSET
 
 
 @dataclass(slots=True)
