@@ -299,3 +299,22 @@ register(
         _legacy_matmul_getter_refused,
     )
 )
+
+
+def _aot_autograd_cache_served(context: Context) -> bool:
+    if context.metrics is None:
+        return True  # not run yet: what the cache holds when the cell compiles decides
+    hits = nested(context.metrics, "compiled.cache.aot_autograd_hits")
+    return isinstance(hits, int) and not isinstance(hits, bool) and hits > 0
+
+
+register(
+    Condition(
+        "aot-autograd-cache-served",
+        "AOTAutograd served at least one of the cell's compiled graphs from its cache "
+        "(compiled.cache.aot_autograd_hits above 0): a graph compiled earlier, in this process or another "
+        "sharing the cache directory, possibly under another autocast dtype",
+        "cell",
+        _aot_autograd_cache_served,
+    )
+)
