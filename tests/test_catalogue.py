@@ -181,7 +181,7 @@ def test_known_fixed_and_new_failures_in_a_real_run(run_pytest, tmp_path):
     assert done.returncode == 1  # the new failure
     assert "1 xfailed" in done.stdout and "1 xpassed" in done.stdout
     summary = (tmp_path / "reports" / "latest" / "summary.md").read_text()
-    assert "**1 new failures, 1 fixed, 1 known failures" in summary
+    assert "**1 failures not in the catalogue, 1 fixed, 1 known failures" in summary
     fixed = summary.split("## Fixed")[1].split("##")[0]
     assert "- entry `claims-fp32-fails`: **1 cell**" in fixed and "`broken-matmul-fp32-train-cpu-torch`" in fixed
 
@@ -223,7 +223,7 @@ def test_an_unknown_trait_is_refused_naming_the_known_ones(tmp_path):
 @pytest.mark.parametrize(
     ("cell", "entry_id"),
     [
-        # the first GPU run (shared/gpu-evidence/h100-2026-11-22): fp16-true train NaN in every engine on cuda
+        # the first GPU run (docs/gpu-runs/h100-2026-11-22): fp16-true train NaN in every engine on cuda
         (Cell("tiny-llama", "fp16-true", "train", "cuda", "hf-trainer"), "adamw-fp16-eps-underflow"),
         (Cell("gemma-cache", "fp16-true", "train", "cuda", "accelerate"), "adamw-fp16-eps-underflow"),
         (Cell("lora", "fp16-true", "train", "cuda", "lightning"), "adamw-fp16-eps-underflow"),
@@ -326,7 +326,7 @@ def test_an_entry_that_only_a_long_curve_shows_is_in_force_only_in_runs_that_lon
 @pytest.mark.parametrize(
     ("cell", "signature_text", "entry_id"),
     [
-        # the H100 run of 2026-11-27 (shared/gpu-evidence/h100-2026-11-27), triaged in issue 47
+        # the H100 run of 2026-11-27 (docs/gpu-runs/h100-2026-11-27), triaged in issue 47
         (
             Cell("tiny-llama", "float8-rowwise", "train", "cuda", "ddp-compile"),
             "train_steps: torch._dynamo.exc.BackendCompilerFailed: backend='compile_fn' raised: RuntimeError: "
