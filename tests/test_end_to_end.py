@@ -132,11 +132,18 @@ def test_a_failed_cells_traceback_is_in_every_file_of_the_report(broken_run):
 
     page = (directory / "index.html").read_text(encoding="utf-8")
     detail = page.split(f'<section class="detail" id="cell-{BROKEN_CELL}">')[1].split("</section>")[0]
-    folded = detail.split('<details class="traceback">')[1].split("</details>")[0]
-    assert_innermost(html.unescape(folded.split("<pre>")[1].split("</pre>")[0]))
+    # the harness's frames folded (each run a <details class="harness">), the plugin's and torch's shown
+    unfolded = re.sub(
+        r'<details class="harness">.*?</details>', "", detail.split('<details class="traceback">')[1], flags=re.S
+    )
+    shown = "\n".join(
+        html.unescape(pre) for pre in re.findall(r"<pre>(.*?)</pre>", unfolded.split("</details>")[0], re.S)
+    )
+    assert_innermost(shown + "\n")
+    assert "in run_cell" not in shown and "frames of the harness folded" in detail
 
     summary = (directory / "summary.md").read_text()
-    new = summary.split("## New failures")[1].split("\n## ")[0]
+    new = summary.split("## Not in the catalogue: ")[1].split("\n## ")[0]
     assert new.count("<details><summary>traceback</summary>") == 1
     fenced = new.split("<details><summary>traceback</summary>\n\n  ```\n")[1].split("\n  ```\n")[0]
     assert_innermost("\n".join(line.removeprefix("  ") for line in fenced.splitlines()) + "\n")

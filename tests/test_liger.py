@@ -64,7 +64,8 @@ def test_the_skip_reason_names_each_missing_package(monkeypatch):
     reason = KIND.skip_reason("cpu")
     assert reason.startswith(f"Requires: [{', '.join([*missing_packages(), 'a-kernel-library'])}] (not installed: ")
     how = reason.split("not installed: ")[1]
-    assert "pip install a-kernel-library" in how and ("nox -s liger" in how) == (not INSTALLED)
+    # how to install, only: the command that runs the cells is the report's (matrix/results/run_them.py)
+    assert "pip install a-kernel-library" in how and "nox -s" not in how
 
 
 @pytest.mark.skipif(INSTALLED, reason="Requires: [no liger-kernel] (this environment has it)")

@@ -1,6 +1,7 @@
 """The report writer: schema, grid, signature table, junit, and never overwriting."""
 
 import json
+import re
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -176,7 +177,8 @@ def test_new_failures_are_grouped_by_signature_with_their_cells_folded():
         record.update(phase="train_steps", signature=other.as_dict())
         cells.append(record)
     text = summary_markdown(results_document(RUN, ENV, cells, (), table()))
-    section = text.split("## New failures (no catalogue entry explains them)")[1].split("\n## ")[0]
+    section = text.split("## Not in the catalogue: 14 failures (new here)")[1].split("\n## ")[0]
+    assert "only a baseline tells" in section and "`python -m matrix diff BASE NEW`" in section
     items = [line for line in section.splitlines() if line.startswith("- ")]
     assert items == [
         f"- `{SIG.id}` **12 cells**: {SIG.text}",
@@ -219,10 +221,13 @@ def test_a_failed_cells_traceback_is_in_results_json_junit_and_summary(tmp_path)
     assert failure.text == f"RuntimeError: <b>expected</b> | pipe\n\n{traceback_of(first)}"  # message, then where
 
     summary = (directory / "summary.md").read_text()
-    new = summary.split("## New failures (no catalogue entry explains them)")[1].split("\n## ")[0]
+    new = summary.split("## Not in the catalogue: 2 failures (new here)")[1].split("\n## ")[0]
     assert new.count("<details><summary>traceback</summary>") == 1  # one per signature: the first cell's
     folded = new.split("  <details><summary>traceback</summary>\n\n")[1].split("\n\n  </details>")[0]
-    assert folded == "  ```\n" + "".join(f"  {line}\n" for line in traceback_of(first).splitlines()) + "  ```"
+    # the harness's frame (matrix/execute.py) folded to a line; the library's frame and the exception shown
+    lines = traceback_of(first).splitlines()
+    shown = [lines[0], "  ... 1 frame of the harness folded (matrix/execute.py, line 110, in run_cell)", *lines[3:]]
+    assert folded == "  ```\n" + "".join(f"  {line}\n" for line in shown) + "  ```"
     assert "forward_of_tiny_transformer_bf16_mixed_train" not in summary  # the second cell's is in results.json
     assert "forward_of_tiny_llama_bf16_mixed" not in summary  # a known failure's: none in summary.md
     assert second in by_id and by_id[second]["traceback"] == traceback_of(second)
@@ -265,7 +270,9 @@ def test_the_headline_counts_the_cells_that_ran_and_the_next_line_those_that_did
     directory = write_report(tmp_path, document)
     summary = (directory / "summary.md").read_text().split("\n")
     # 2 failed and 1 passed ran; the cuda cell skipped: not "of 4 cells" beside a count of skips
-    assert summary[2] == "**2 new failures, 0 fixed, 0 known failures, 1 passed** of 3 cells that ran here, in 10.0 s."
+    assert summary[2] == (
+        "**2 failures not in the catalogue, 0 fixed, 0 known failures, 1 passed** of 3 cells that ran here, in 10.0 s."
+    )
     assert summary[4] == "Not run here: 1 skipped cell of the 4 selected, for 1 reason ([below](#not-run-here))."
     assert json.loads((directory / "results.json").read_text())["counts"]["skipped"] == 1  # results.json keeps it
     page = html_report(document)
@@ -287,3 +294,133 @@ def test_a_run_where_nothing_ran_says_so_instead_of_a_line_of_zeros(tmp_path):
     page = html_report(document)
     assert '<span class="warning nothing-ran">Nothing ran here: 0 of the 2 cells selected ran' in page
     assert "0 passed" not in page
+
+
+# Records of a real run (the default CPU matrix at c2994fa), their metrics cut to what the reports read
+REAL_RUN = Path(__file__).parent / "report_records" / "default-c2994fa.json"
+
+
+def real(cell_id: str, **changes) -> dict:
+    cells = {cell["id"]: cell for cell in json.loads(REAL_RUN.read_text())["cells"]}
+    return {**cells[cell_id], **changes}
+
+
+UNEXERCISED = {  # passed, but the model's first forward ran another autocast than the precision declares
+    "gemma-cache-fp16-mixed-eval-cpu-accelerate": "without autocast",  # accelerate's fp16 on a CPU
+    "gemma-cache-fp16-mixed-eval-cpu-lightning": "with bfloat16 autocast",  # Lightning's 16-mixed on a CPU
+}
+
+
+def test_a_passed_cell_that_did_not_exercise_its_precision_is_marked_named_and_counted(tmp_path):
+    from matrix.results.exercised import not_exercised_line, ran_instead
+    from matrix.results.html import html_report
+
+    exercised = ["gemma-cache-fp32-eval-cpu-accelerate", "gemma-cache-bf16-mixed-eval-cpu-accelerate"]
+    cells = [real(cell_id) for cell_id in [*exercised, *UNEXERCISED]]
+    assert {c["id"]: ran_instead(c) for c in cells} == {**dict.fromkeys(exercised), **UNEXERCISED}
+    document = results_document(RUN, ENV, cells, (), table())
+    summary = (write_report(tmp_path, document) / "summary.md").read_text()
+    assert json.loads((tmp_path / "latest" / "results.json").read_text())["counts"]["passed"] == 4  # as before
+    # counted among the passed, and named
+    assert summary.split("\n")[2] == (
+        "**0 failures not in the catalogue, 0 fixed, 0 known failures, 4 passed (2 without the precision "
+        "exercised)** of 4 cells that ran here, in 10.0 s."
+    )
+    grid = summary.split("## cpu · eval")[1]
+    assert "| gemma-cache | accelerate | ✅ | ☑️ (ran without autocast) | ✅ |" in grid
+    assert "| gemma-cache | lightning |  | ☑️ (ran with bfloat16 autocast) |  |" in grid
+    section = summary.split("## Passed without the precision exercised")[1].split("\n## ")[0]
+    assert "- fp16-mixed asks for float16 autocast; under accelerate on cpu the model's first forward ran " in section
+    assert "- fp16-mixed asks for float16 autocast; under lightning on cpu the model's first forward ran " in section
+    assert "`gemma-cache-fp32-eval-cpu-accelerate`" not in section
+
+    dom_cell = "gemma-cache-fp16-mixed-eval-cpu-lightning"
+    page = html_report(document)
+    assert "4 passed (2 without the precision exercised)</span>" in page
+    assert f'<td class="outcome-passed unexercised" data-cell="{dom_cell}"' in page
+    assert f'<td class="outcome-passed" data-cell="{exercised[0]}"' in page
+    line = not_exercised_line(real(dom_cell))
+    assert line == (
+        "fp16-mixed asks for float16 autocast; under lightning on cpu the model's first forward ran with "
+        "bfloat16 autocast, parameters float32"
+    )
+    assert f"<th>precision exercised</th><td><strong>no</strong>: {line}</td>" in page.replace("&#x27;", "'")
+    assert 'id="unexercised"' in page
+
+
+RANK_CELL = "gemma-cache-bf16-mixed-bf16-reduce-eval-cpu-ddp"  # a ddp rank's TypeError, inside torch
+
+
+def test_a_rank_failures_traceback_shows_the_librarys_frames_first_and_folds_the_harness(tmp_path):
+    from matrix.results.html import html_report
+
+    # the real record, as an uncatalogued failure (summary.md shows those tracebacks)
+    cell = real(RANK_CELL, outcome="failed", known_failure=None)
+    traceback = cell["traceback"]
+    assert "raised in the rank as:" in traceback and "replies.send(" in traceback  # our plumbing, recorded
+    document = results_document(RUN, ENV, [cell], (), table())
+    directory = write_report(tmp_path, document)
+    assert json.loads((directory / "results.json").read_text())["cells"][0]["traceback"] == traceback  # whole
+    summary = (directory / "summary.md").read_text()
+    folded = summary.split("<details><summary>traceback</summary>\n\n")[1].split("\n\n  </details>")[0]
+    shown = [line.removeprefix("  ") for line in folded.split("\n")[1:-1]]
+    assert shown[:3] == [
+        "Traceback (most recent call last):",
+        "  ... 6 frames of the harness folded (innermost: matrix/engines/ddp.py, line 63, in _wrap)",
+        '  File "/work/main/.nox/matrix/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 2253, '
+        "in register_comm_hook",
+    ]
+    assert "TypeError: BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+ or XPU and XCCL" in shown
+    assert shown[-1] == (
+        "(the driver's side, 3 frames of the harness ending in matrix.rank_pool.RankFailure, folded: it passes "
+        "on the rank's exception)"
+    )
+    for plumbing in ("replies.send", "pipeline.run_phase", "RankFailure(index", "rank_worker.py"):
+        assert plumbing not in folded
+
+    page = html_report(document)
+    panel = page.split(f'id="cell-{RANK_CELL}"')[1].split("</section>")[0]
+    traceback_html = panel.split('<details class="traceback">')[1]
+    harness = re.findall(r'<details class="harness">.*?</details>', traceback_html, re.S)
+    assert len(harness) == 2  # the rank's harness frames, the driver's side
+    assert "replies.send" in harness[0] and "RankFailure" in harness[1]  # folded, still there
+    unfolded = re.sub(r'<details class="harness">.*?</details>', "", traceback_html, flags=re.S)
+    assert "site-packages/torch/nn/parallel/distributed.py" in unfolded and "replies.send" not in unfolded
+
+
+def test_a_failure_of_the_harness_own_check_in_a_rank_names_the_check():
+    from matrix.results.tracebacks import shown_text
+
+    text = real("gemma-cache-bf16-true-eval-cpu-accelerate-fsdp2")["traceback"]
+    assert shown_text(text).split("\n")[:3] == [
+        "Traceback (most recent call last):",
+        "  ... 6 frames of the harness folded (innermost: matrix/checks.py, line 219, in check_same_dtypes)",
+        "matrix.checks.DtypeContractBroken: after reload: a buffer was torch.bfloat16, is now torch.float32",
+    ]
+
+
+def test_folding_keeps_every_line_of_a_traceback():
+    from matrix.results.tracebacks import RANK_LINE, shown
+
+    for cell_id in (RANK_CELL, "gemma-cache-bf16-true-eval-cpu-accelerate-fsdp2"):
+        text = real(cell_id)["traceback"]
+        kept = "\n".join(segment.text for segment in shown(text)).split("\n")
+        assert sorted(line for line in kept if line.strip()) == sorted(
+            line for line in text.split("\n") if line.strip() and line != RANK_LINE
+        )
+    plain = traceback_of("tiny-llama-fp32-eval-cpu-torch")  # no rank: the pieces, in order, are the traceback
+    assert "\n".join(segment.text for segment in shown(plain)) + "\n" == plain
+
+
+def test_known_cells_are_labelled_by_their_catalogue_entry_id_on_every_page():
+    from matrix.results.html import html_report
+
+    entry = "ddp-bf16-compress-hook-needs-nccl"
+    document = results_document(RUN, ENV, [real(RANK_CELL)], (), table())
+    summary = summary_markdown(document)
+    assert f"| gemma-cache | ddp | ⚠️ `{entry}` (evaluate) |" in summary
+    assert f"| `{entry}`: DDP's bf16_compress_hook is refused on gloo/CPU" in summary
+    assert "K1" not in summary
+    page = html_report(document)
+    assert f'<a href="#known-{entry}">{entry}</a></td>' in page and f'<tr id="known-{entry}">' in page
+    assert "K1" not in page

@@ -11,6 +11,10 @@ here with torch blocked). SCHEMA_VERSION, below, is results.json's.
   document.py      - results.json's document: counts, signature and catalogue indexes
   markdown.py      - summary.md
   reach.py         - what the reports show as grids, and the cells they sum up as "not run here"
+  exercised.py     - whether a cell exercised its precision (the autocast its forward ran under)
+  tracebacks.py    - a failed cell's traceback as shown: the user's and the libraries' frames,
+                     the harness's folded
+  run_them.py      - the command that runs the cells of each "not run here" line
   phase_costs.py   - where a run's cell time went: engines and phases
   compatibility.py - compatibility.md: the architecture table of a run's hf: cells
   junit.py         - junit.xml
@@ -23,6 +27,7 @@ here with torch blocked). SCHEMA_VERSION, below, is results.json's.
   merge.py         - python -m matrix merge
   crash_dump.py    - what a record keeps of a traceback, or of a dead process's stacks
   sweep_table.py   - a release sweep's tables (sweep.md, sweep.html) and docs/RELEASES.md
+  gpu_findings.py  - docs/gpu-findings.md, from the GPU runs kept in docs/gpu-runs/
 """
 
 SCHEMA_VERSION = 5  # 2: outcomes known/fixed, known_failure per cell, known_failures; 3: explorations;

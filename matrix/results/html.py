@@ -4,7 +4,9 @@
 header (counts, command, stack, machine, warnings), one grid per device x engine (models as
 rows, precision x mode as columns, coloured by outcome), a details panel per cell that a click
 on the cell shows (CSS :target) with a training cell's loss curve drawn against its references
-(inline SVG, `curve_figure`), the failure signatures, the triage of the new ones (once
+(inline SVG, `curve_figure`) and its traceback with the harness's frames folded
+(matrix/results/tracebacks.py), the passed cells that did not exercise their precision
+(matrix/results/exercised.py), the failure signatures, the triage of the uncatalogued ones (once
 python -m matrix triage has run: `triage_section`, from its triage.json), the catalogue entries,
 the explorations and the environment.
 
@@ -21,7 +23,9 @@ import re
 from urllib.parse import quote, urlsplit
 
 from matrix.curves import share_words
-from matrix.results.files import AXES, OUTCOMES, hardware_line, known_failure_keys
+from matrix.results import tracebacks
+from matrix.results.exercised import asked_and_ran, not_exercised_line, passed_without_precision, ran_instead
+from matrix.results.files import AXES, OUTCOMES, hardware_line
 from matrix.results.metrics import CellMetrics, Curve, CurveComparison, at_step, given, recorded_float
 from matrix.results.reach import Reach, not_run_sentence, nothing_ran_line, ran_here, reach
 from matrix.results.run_them import command
@@ -46,10 +50,13 @@ table.grid { margin: .4rem 0 1.2rem; table-layout: fixed; }
 table.grid caption { text-align: left; font-weight: 700; font-size: 1.05rem; padding: 2px 0; }
 table.grid th { background: #eef0f3; text-align: center; font-size: 12px; overflow-wrap: anywhere; }
 table.grid th[scope=row] { text-align: left; white-space: nowrap; }
-table.grid td { width: 5.2rem; padding: 0; text-align: center; font: 11px/1.2 ui-monospace, Menlo, monospace; }
+table.grid td { width: 5.2rem; padding: 0; text-align: center; font: 11px/1.2 ui-monospace, Menlo, monospace;
+  overflow-wrap: anywhere; }
 table.grid td a { display: block; padding: 5px 2px; color: inherit; text-decoration: none; }
 table.grid td a:hover { outline: 2px solid #333; }
 .outcome-passed { background: #cdeccd; color: #135c13; }
+.outcome-passed.unexercised { background: repeating-linear-gradient(135deg, #e9f6e9, #e9f6e9 5px, #fff 5px, #fff 9px);
+  color: #135c13; outline: 1px dashed #4a8a4a; outline-offset: -3px; }
 .outcome-known { background: #ffe08a; color: #6b4a00; }
 .outcome-failed { background: #f4a6a6; color: #7a0000; font-weight: 700; }
 .outcome-fixed { background: #cbb8f0; color: #3b1c7a; font-weight: 700; }
@@ -69,6 +76,8 @@ details summary { cursor: pointer; }
 .curve p { margin: .15rem 0; }
 .curve .outside, .curve .error { color: #b02a37; font-weight: 600; }
 .cells { margin: 0; padding-left: 1.2rem; }
+details.harness > summary { color: #666; font: 12px/1.35 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+details.harness pre { background: #eee; color: #555; }
 """
 
 
@@ -465,12 +474,13 @@ def header(document: dict, shown: Reach) -> str:
         rows.append(("cell order", f"shuffled by <code>--order-seed {esc(run['order_seed'])}</code>"))
     if run.get("merged_from"):
         rows.append(("merged", f'from {len(run["merged_from"])} runs, <a href="#merged-from">listed below</a>'))
+    unexercised = len(passed_without_precision(document["cells"]))
     labels = (
-        ("failed", "new failures"),
+        ("failed", "failures not in the catalogue"),
         ("fixed", "fixed"),
         ("inapplicable", "not applicable here"),
         ("known", "known"),
-        ("passed", "passed"),
+        ("passed", "passed" + (f" ({unexercised} without the precision exercised)" if unexercised else "")),
     )  # the cells that ran; the skipped ones are the next line's (reach_line)
     badges = "".join(f'<span class="{outcome_class(o)}">{esc(counts.get(o, 0))} {label}</span>' for o, label in labels)
     ran = ran_here(document)
@@ -504,15 +514,20 @@ def reach_line(document: dict, shown: Reach) -> str:
     return f'<p class="reach">{sentence}</p>'
 
 
-def cell_label(cell: dict, known_keys: dict) -> tuple[str, str]:
-    """The short text a grid cell shows, and its tooltip."""
+def cell_label(cell: dict) -> tuple[str, str]:
+    """The short text a grid cell shows, and its tooltip; a known, fixed or not applicable cell
+    shows its catalogue entry's id (the same on every page and every run)."""
     outcome, signature = cell.get("outcome"), cell.get("signature") or {}
     entry = cell.get("known_failure") or {}
-    key = known_keys.get(entry.get("id"), entry.get("id"))
+    key = entry.get("id")
     if outcome == "passed":
+        instead = ran_instead(cell)
+        if instead:  # passed, but not in the precision it is filed under
+            short = "no autocast" if instead == "without autocast" else instead.removeprefix("with ")
+            return f"✓ {short}", f"passed without the precision exercised: {not_exercised_line(cell)}"
         return "✓", "passed"
     if outcome == "failed":
-        return signature.get("id", "failed"), f"new failure: {signature.get('text')}"
+        return signature.get("id", "failed"), f"not in the catalogue: {signature.get('text')}"
     if outcome == "known":
         return str(key), f"known failure {entry.get('id')}: {signature.get('text')}"
     if outcome == "fixed":
@@ -525,7 +540,7 @@ def cell_label(cell: dict, known_keys: dict) -> tuple[str, str]:
     return str(outcome), str(outcome)
 
 
-def grids(document: dict, known_keys: dict, shown: Reach) -> str:
+def grids(document: dict, shown: Reach) -> str:
     """One table per device and engine with a cell that ran or skipped alone (reach.py): models
     as rows, precision x mode as columns, each only where it has such a cell."""
     cells = [cell for cell in document["cells"] if cell["id"] in shown.shown]
@@ -565,9 +580,10 @@ def grids(document: dict, known_keys: dict, shown: Reach) -> str:
                     if cell is None:
                         tds.append('<td class="empty"></td>')
                         continue
-                    label, tip = cell_label(cell, known_keys)
+                    label, tip = cell_label(cell)
+                    unexercised = " unexercised" if cell.get("outcome") == "passed" and ran_instead(cell) else ""
                     tds.append(
-                        f'<td class="{outcome_class(cell.get("outcome"))}" data-cell="{esc(cell["id"])}" '
+                        f'<td class="{outcome_class(cell.get("outcome"))}{unexercised}" data-cell="{esc(cell["id"])}" '
                         f'title="{esc(cell["id"] + chr(10) + tip)}">'
                         f'<a href="{esc(href("cell", cell["id"]))}">{esc(label)}</a></td>'
                     )
@@ -578,14 +594,18 @@ def grids(document: dict, known_keys: dict, shown: Reach) -> str:
                 f"<caption>{esc(device)} · {esc(engine)}</caption>{head}{''.join(rows)}</table>"
             )
     legend = " ".join(
-        f'<span class="{outcome_class(o)}">{label}</span>'
-        for o, label in (
-            ("passed", "✓ passed"),
-            ("known", "K<i>n</i> known failure"),
-            ("failed", "sig-… new failure"),
-            ("fixed", "fixed K<i>n</i>: passes, the catalogue says it fails"),
-            ("inapplicable", "n/a K<i>n</i>: the entry's hardware condition does not hold here"),
-            ("skipped", "skip"),
+        f'<span class="{classes}">{label}</span>'
+        for classes, label in (
+            (outcome_class("passed"), "✓ passed"),
+            (
+                f"{outcome_class('passed')} unexercised",
+                "✓ no autocast (or another autocast named): passed, the precision not exercised",
+            ),
+            (outcome_class("known"), "<i>entry id</i>: known failure"),
+            (outcome_class("failed"), "sig-…: not in the catalogue"),
+            (outcome_class("fixed"), "fixed <i>entry id</i>: passes, the catalogue says it fails"),
+            (outcome_class("inapplicable"), "n/a <i>entry id</i>: the entry's hardware condition does not hold here"),
+            (outcome_class("skipped"), "skip"),
         )
     )
     return (
@@ -595,8 +615,32 @@ def grids(document: dict, known_keys: dict, shown: Reach) -> str:
     )
 
 
-def cell_detail(cell: dict, known_keys: dict) -> str:
+def traceback_html(traceback: str) -> str:
+    """A cell's traceback, folded in its panel: the user's and the libraries' frames shown, each
+    run of the harness's frames (and a rank failure's driver side) a <details> of its own."""
+    segments = tracebacks.shown(traceback)
+    parts = []
+    for segment in segments:
+        if segment.folded:
+            parts.append(
+                f'<details class="harness"><summary>{esc(segment.line.strip())}</summary>'
+                f"<pre>{pre_text(segment.text)}</pre></details>"
+            )
+        else:
+            parts.append(f"<pre>{pre_text(segment.text)}</pre>")
+    lines = traceback.rstrip("\n").count("\n") + 1
+    folded = tracebacks.harness_frames(segments)
+    summary = f"{lines} lines"
+    if folded:
+        summary += f", {folded} frame{'s' if folded != 1 else ''} of the harness folded"
+    return f'<details class="traceback"><summary>{summary}</summary>{"".join(parts)}</details>'
+
+
+def cell_detail(cell: dict) -> str:
     rows = [("outcome", f'<span class="{outcome_class(cell.get("outcome"))}">{esc(cell.get("outcome"))}</span>')]
+    unexercised = not_exercised_line(cell) if cell.get("outcome") != "skipped" else None
+    if unexercised:
+        rows.append(("precision exercised", f"<strong>no</strong>: {esc(unexercised)}"))
     rows.append(("axes", esc(" · ".join(str(cell.get(axis)) for axis in AXES))))
     if cell.get("phase"):
         rows.append(("phase", esc(cell["phase"])))
@@ -619,19 +663,15 @@ def cell_detail(cell: dict, known_keys: dict) -> str:
     if cell.get("message"):
         rows.append(("message", f"<pre>{pre_text(cell['message'])}</pre>"))
     if cell.get("traceback"):  # folded: the message says what failed, the traceback where
-        traceback = cell["traceback"]
-        lines = traceback.rstrip("\n").count("\n") + 1
-        folded = f"<summary>{lines} lines</summary><pre>{pre_text(traceback)}</pre>"
-        rows.append(("traceback", f'<details class="traceback">{folded}</details>'))
+        rows.append(("traceback", traceback_html(cell["traceback"])))
     if cell.get("skip_reason"):
         rows.append(("skip reason", esc(cell["skip_reason"])))
     entry = cell.get("known_failure")
     if entry:
-        key = known_keys.get(entry.get("id"), "")
         rows.append(
             (
                 "catalogue entry",
-                f'<a href="{esc(href("known", entry.get("id")))}">{esc(key)}</a> <code>{esc(entry.get("id"))}</code>: '
+                f'<a href="{esc(href("known", entry.get("id")))}"><code>{esc(entry.get("id"))}</code></a>: '
                 f"{esc(entry.get('title'))}"
                 + kv_table(
                     [
@@ -685,6 +725,26 @@ def not_run_section(shown: Reach) -> str:
             [str(len(g.cells)), esc(g.reason), esc(g.scope(shown.axes)), code_spans(command(g, shown.axes) or "none")]
             for g in shown.not_run
         ],
+    )
+
+
+def unexercised_section(document: dict) -> str:
+    """The passed cells that did not exercise their precision, by what was asked and what ran
+    (matrix/results/exercised.py), as summary.md lists them."""
+    unexercised = passed_without_precision(document["cells"])
+    if not unexercised:
+        return ""
+    groups: dict[str, list[str]] = {}
+    for cell in unexercised:
+        groups.setdefault(asked_and_ran(cell), []).append(cell["id"])
+    return table_section(
+        "unexercised",
+        f"Passed without the precision exercised: {len(unexercised)} cell{'s' if len(unexercised) != 1 else ''}",
+        "They passed every check, but the autocast in force in their model's first forward was not the one their "
+        "precision declares: they say nothing about that precision here (striped in the grids; each cell's panel "
+        "says what ran).",
+        ("asked for, and what ran", "cells"),
+        [[esc(line), cell_links(ids)] for line, ids in sorted(groups.items(), key=lambda item: -len(item[1]))],
     )
 
 
@@ -765,7 +825,8 @@ def signatures_section(document: dict) -> str:
             f'<tr id="{esc(anchor("signature", sig_id))}"><td><code>{esc(sig_id)}</code></td>'
             f"<td>{esc(s.get('phase'))}</td>"
             f"<td>{esc(s.get('exception'))}: {esc(s.get('message'))} @ <code>{esc(s.get('origin'))}</code></td>"
-            f"<td>{known or '<strong>new</strong>'}</td><td>{cell_links(s.get('cells') or [])}</td></tr>"
+            f"<td>{known or '<strong>not in the catalogue</strong>'}</td>"
+            f"<td>{cell_links(s.get('cells') or [])}</td></tr>"
         )
     return (
         '<section id="signatures"><h2>Failure signatures</h2><table class="kv">'
@@ -818,12 +879,12 @@ def triage_section(triage: dict | None) -> str:
     return section.removesuffix("</section>") + "".join(drafts) + "</section>"
 
 
-def known_failures_section(document: dict, known_keys: dict) -> str:
+def known_failures_section(document: dict) -> str:
     entries = document.get("known_failures") or {}
     if not entries:
         return '<section id="known-failures"><h2>Known failures</h2><p>No catalogue entry applied.</p></section>'
     rows = "".join(
-        f'<tr id="{esc(anchor("known", entry_id))}"><td>{esc(known_keys[entry_id])}</td>'
+        f'<tr id="{esc(anchor("known", entry_id))}">'
         f"<td><code>{esc(entry_id)}</code>: {esc(e.get('title'))}</td><td>{esc(e.get('kind'))}</td>"
         f"<td>{', '.join(upstream_link(u) for u in e.get('upstream') or []) or 'found by this matrix'}</td>"
         f"<td>{link(e.get('link'), e.get('link'))}</td>"
@@ -833,7 +894,7 @@ def known_failures_section(document: dict, known_keys: dict) -> str:
     )
     return (
         '<section id="known-failures"><h2>Known failures (matrix/known_failures.toml)</h2><table class="kv">'
-        "<tr><th>key</th><th>entry</th><th>kind</th><th>upstream</th><th>link</th><th>known cells</th>"
+        "<tr><th>entry</th><th>kind</th><th>upstream</th><th>link</th><th>known cells</th>"
         f"<th>fixed cells</th><th>not applicable here</th></tr>{rows}</table></section>"
     )
 
@@ -883,21 +944,21 @@ def environment_section(document: dict) -> str:
 def html_report(document: dict, triage: dict | None = None) -> str:
     """The page for one results.json document, as a string (UTF-8 when written); `triage`: the
     run's triage.json, when python -m matrix triage has run on it."""
-    known_keys = known_failure_keys(document)
     shown = reach(document)
     # a cell left out of the grids has no panel: nothing links to it (every cell that ran is shown)
-    details = "".join(cell_detail(cell, known_keys) for cell in document["cells"] if cell["id"] in shown.shown)
+    details = "".join(cell_detail(cell) for cell in document["cells"] if cell["id"] in shown.shown)
     body = "".join(
         [
             header(document, shown),
             not_run_section(shown),
-            grids(document, known_keys, shown),
+            grids(document, shown),
+            unexercised_section(document),
             kind_setups_section(document),
             leaked_state_section(document),
             f'<div id="details">{details}</div>',
             signatures_section(document),
             triage_section(triage),
-            known_failures_section(document, known_keys),
+            known_failures_section(document),
             explorations_section(document),
             environment_section(document),
         ]

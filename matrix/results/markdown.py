@@ -1,5 +1,6 @@
-"""summary.md: one grid per device and mode, new failures grouped by signature (each with its
-first cell's traceback, folded), fixed cells by catalogue entry, the cells that left global state
+"""summary.md: one grid per device and mode, the failures no catalogue entry explains grouped by
+signature (each with its first cell's traceback, the harness's frames folded), the passed cells
+that did not exercise their precision, fixed cells by catalogue entry, the cells that left global state
 changed (by setting), skip reasons, known failures, signatures, the loss curves that came nearest
 their rows, the slowest phases, explorations, the precision table."""
 
@@ -9,14 +10,14 @@ import json
 import math
 import re
 
-from matrix.results import crash_dump
-from matrix.results.files import hardware_line, known_failure_keys
+from matrix.results import crash_dump, tracebacks
+from matrix.results.exercised import asked_and_ran, passed_without_precision, ran_instead
+from matrix.results.files import hardware_line
 from matrix.results.metrics import (
     UNSET,
     CellMetrics,
     Curve,
     CurveComparison,
-    Effective,
     KindRecord,
     LearningRate,
     at_step,
@@ -75,26 +76,50 @@ def folded_cells(line: str, cells: list[dict]) -> list[str]:
 
 
 def folded_traceback(traceback: str | None) -> list[str]:
-    """A list item's traceback, folded beneath it in a fenced block: one per new signature, at
-    most SUMMARY_TRACEBACK_LIMIT characters of it (the whole one is in results.json and index.html)."""
+    """A list item's traceback, folded beneath it in a fenced block: one per uncatalogued
+    signature, the user's and the libraries' frames shown and the harness's folded to a line each
+    (matrix/results/tracebacks.py), at most SUMMARY_TRACEBACK_LIMIT characters of it (the whole
+    one is in results.json and index.html)."""
     if not traceback:
         return []
-    text = crash_dump.condense(traceback, SUMMARY_TRACEBACK_LIMIT).rstrip("\n")
+    text = crash_dump.condense(tracebacks.shown_text(traceback), SUMMARY_TRACEBACK_LIMIT).rstrip("\n")
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
     body = [f"  {line}" if line else "" for line in text.split("\n")]
     return ["  <details><summary>traceback</summary>", "", f"  {fence}", *body, f"  {fence}", "", "  </details>"]
 
 
 def ran_as_note(cell: dict) -> str:
-    """' (ran as fp32)' where the engine put another autocast dtype in force than declared."""
-    metrics = CellMetrics.from_dict(cell["metrics"])
-    declared = (metrics.declared or {}).get("autocast_dtype")  # the precision's settings: open
-    actual = (metrics.effective or Effective()).autocast_dtype_in_forward
-    if actual is UNSET:  # no Linear module ran
-        return ""
-    if actual == declared:
-        return ""
-    return f" (ran {'without autocast' if actual is None else 'with ' + actual + ' autocast'})"
+    """' (ran without autocast)' where the engine put another autocast in force than declared
+    (matrix/results/exercised.py)."""
+    instead = ran_instead(cell)
+    return f" (ran {instead})" if instead else ""
+
+
+def passed_count(document: dict) -> str:
+    """'433 passed (120 without the precision exercised)': the passed cells, and those of them
+    whose first forward ran another autocast than their precision declares."""
+    unexercised = len(passed_without_precision(document["cells"]))
+    return f"{document['counts']['passed']} passed" + (
+        f" ({unexercised} without the precision exercised)" if unexercised else ""
+    )
+
+
+def unexercised_markdown(cells: list[dict]) -> list[str]:
+    """The passed cells that did not exercise their precision, by what was asked and what ran."""
+    unexercised = passed_without_precision(cells)
+    if not unexercised:
+        return []
+    lines = ["", "## Passed without the precision exercised", ""]
+    by_line = grouped(unexercised, asked_and_ran)
+    lines += [
+        f"{_cells(len(unexercised))} passed every check, but the autocast in force in their model's first forward "
+        "was not the one their precision declares: they say nothing about that precision here (☑️ in the grids; "
+        "each cell's `metrics.effective` in results.json says what ran).",
+        "",
+    ]
+    for line, group in by_line.items():
+        lines += folded_cells(f"- {_md(line)}: {_cells(len(group))}", group)
+    return lines
 
 
 def summary_markdown(document: dict) -> str:
@@ -108,8 +133,8 @@ def summary_markdown(document: dict) -> str:
         f"# Mixed-precision matrix: run {run['id']}",
         "",
         (
-            f"**{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
-            f"{counts['passed']} passed"
+            f"**{counts['failed']} failures not in the catalogue, {counts['fixed']} fixed, "
+            f"{counts['known']} known failures, {passed_count(document)}"
             + (f", {counts['inapplicable']} not applicable here" if counts.get("inapplicable") else "")
             + f"** of {ran} cells that ran here, in {run.get('duration_s', 0):.1f} s."
             if ran
@@ -167,7 +192,6 @@ def summary_markdown(document: dict) -> str:
     if any(c["model"].startswith("hf:") for c in cells):
         lines.append("- transformers architectures (hf: kinds): their table is in [compatibility.md](compatibility.md)")
 
-    known_keys = known_failure_keys(document)
     fixed = [c for c in cells if c["outcome"] == "fixed"]
     if fixed:
         lines += ["", "## Fixed: the catalogue says these fail, but they pass (narrow the entries)", ""]
@@ -178,13 +202,21 @@ def summary_markdown(document: dict) -> str:
     lines += inapplicable_markdown(cells)
     new = [c for c in cells if c["outcome"] == "failed"]
     if new:
-        lines += ["", "## New failures (no catalogue entry explains them)", ""]
+        lines += ["", f"## Not in the catalogue: {len(new)} failure{'s' if len(new) != 1 else ''} (new here)", ""]
         by_signature = grouped(new, lambda c: c["signature"]["id"])
-        lines += [f"{len(new)} cells, {len(by_signature)} signatures:", ""]
+        lines += [
+            "No catalogue entry explains these: new to the catalogue, not necessarily new since an earlier run. "
+            "Whether one is a regression only a baseline tells: run the same selection before and after the "
+            "change on the same machine, then `python -m matrix diff BASE NEW`.",
+            "",
+            f"{len(new)} cells, {len(by_signature)} signatures:",
+            "",
+        ]
         for sig_id, group in by_signature.items():
             lines += folded_cells(f"- `{sig_id}` {_cells(len(group))}: {_md(group[0]['signature']['text'])}", group)
             lines += folded_traceback(group[0].get("traceback"))
 
+    lines += unexercised_markdown(cells)
     lines += leaked_state_markdown(leaking)
 
     if missing:
@@ -226,14 +258,16 @@ def summary_markdown(document: dict) -> str:
                     elif cell["outcome"] == "failed":
                         row.append(f"❌ `{cell['signature']['id']}` ({cell['phase']})")
                     elif cell["outcome"] == "known":
-                        row.append(f"⚠️ {known_keys[cell['known_failure']['id']]} ({cell['phase']})")
+                        row.append(f"⚠️ `{cell['known_failure']['id']}` ({cell['phase']})")
                     elif cell["outcome"] == "fixed":
-                        row.append(f"❗ fixed {known_keys[cell['known_failure']['id']]}")
+                        row.append(f"❗ fixed `{cell['known_failure']['id']}`")
                     elif cell["outcome"] == "inapplicable":
-                        row.append(f"➖ n/a {known_keys[cell['known_failure']['id']]}")
+                        row.append(f"➖ n/a `{cell['known_failure']['id']}`")
                     elif cell["outcome"] == "skipped":
                         key = skip_reasons.setdefault(cell["skip_reason"], f"S{len(skip_reasons) + 1}")
                         row.append(f"⏭️ {key}")
+                    elif ran_instead(cell):  # passed, but another autocast ran than the precision's
+                        row.append("☑️")
                     else:
                         row.append("✅")
                     if cell is not None and cell["outcome"] != "skipped":
@@ -249,13 +283,13 @@ def summary_markdown(document: dict) -> str:
     if document["known_failures"]:
         lines += ["", "## Known failures (matrix/known_failures.toml)", ""]
         lines += [
-            "| key | entry | kind | upstream | known cells | fixed cells | not applicable here |",
-            "|---|---|---|---|---|---|---|",
+            "| entry | kind | upstream | known cells | fixed cells | not applicable here |",
+            "|---|---|---|---|---|---|",
         ]
         for entry_id, entry in document["known_failures"].items():
             upstream = ", ".join(entry["upstream"]) or "found by this matrix"
             lines.append(
-                f"| {known_keys[entry_id]} | `{entry_id}`: {_md(entry['title'])} | {entry['kind']} | {upstream} "
+                f"| `{entry_id}`: {_md(entry['title'])} | {entry['kind']} | {upstream} "
                 f"| {len(entry['cells'])} | {len(entry['fixed_cells'])} "
                 f"| {len(entry.get('inapplicable_cells') or [])} |"
             )
@@ -265,7 +299,7 @@ def summary_markdown(document: dict) -> str:
         lines += ["| signature | phase | failure | known as | cells |", "|---|---|---|---|---|"]
         for sig_id, entry in document["signatures"].items():
             failure = f"{entry['exception']}: {entry['message']} @ `{entry['origin']}`"
-            known = ", ".join(f"`{k}`" for k in entry["known_as"]) or "**new**"
+            known = ", ".join(f"`{k}`" for k in entry["known_as"]) or "**not in the catalogue**"
             lines.append(f"| `{sig_id}` | {entry['phase']} | {_md(failure)} | {known} | {', '.join(entry['cells'])} |")
     else:
         lines.append("No cell failed.")
