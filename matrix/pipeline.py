@@ -147,6 +147,8 @@ def train_steps(state: CellState) -> None:
         state.compile_watch.training_started()
     steps = engine.train(state, run, schedule.train_steps())
     state.hooks.stop_seeding()  # past step k the engine's own random numbers run on
+    if given(state.metrics.effective) is not None:  # what the loop did, beside what the precision asks
+        state.metrics.effective.grad_scaler_in_run = bool(engine.scaler_state(state, run))  # {}: a disabled one
     if state.compile_watch is not None:
         state.compile_watch.training_ended()
         record_compiled(state)

@@ -330,8 +330,9 @@ def test_a_passed_cell_that_did_not_exercise_its_precision_is_marked_named_and_c
     assert "| gemma-cache | accelerate | ✅ | ☑️ (ran without autocast) | ✅ |" in grid
     assert "| gemma-cache | lightning |  | ☑️ (ran with bfloat16 autocast) |  |" in grid
     section = summary.split("## Passed without the precision exercised")[1].split("\n## ")[0]
-    assert "- fp16-mixed asks for float16 autocast; under accelerate on cpu the model's first forward ran " in section
-    assert "- fp16-mixed asks for float16 autocast; under lightning on cpu the model's first forward ran " in section
+    asked = "- fp16-mixed asks for float16 autocast and a grad scaler; "
+    assert asked + "under accelerate on cpu the model's first forward ran " in section
+    assert asked + "under lightning on cpu the model's first forward ran " in section
     assert "`gemma-cache-fp32-eval-cpu-accelerate`" not in section
 
     dom_cell = "gemma-cache-fp16-mixed-eval-cpu-lightning"
@@ -341,8 +342,8 @@ def test_a_passed_cell_that_did_not_exercise_its_precision_is_marked_named_and_c
     assert f'<td class="outcome-passed" data-cell="{exercised[0]}"' in page
     line = not_exercised_line(real(dom_cell))
     assert line == (
-        "fp16-mixed asks for float16 autocast; under lightning on cpu the model's first forward ran with "
-        "bfloat16 autocast, parameters float32"
+        "fp16-mixed asks for float16 autocast and a grad scaler; under lightning on cpu the model's first forward "
+        "ran with bfloat16 autocast, parameters float32"
     )
     assert f"<th>precision exercised</th><td><strong>no</strong>: {line}</td>" in page.replace("&#x27;", "'")
     assert 'id="unexercised"' in page

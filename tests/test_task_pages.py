@@ -233,6 +233,37 @@ def test_own_loop_page_runs_and_every_cell_is_a_verdict_about_the_loop(own_loop)
     assert "| tiny-llama | my-loop |" in summary and "| lora | torch |" in summary  # the rows the page reads
 
 
+def test_the_pages_loop_with_its_grad_scaler_left_out_is_marked_as_not_exercising_fp16(tmp_path):
+    """The buggy twin a user writes by leaving the scaler out: these tiny models' fp16 gradients do
+    not underflow on a CPU, so every check can hold; the report still says the cell ran without
+    the grad scaler its precision asks for (metrics.effective.grad_scaler_in_run), where the
+    page's own loop is not marked."""
+    source = linked_module("own-loop.md", "../ENGINES.md#a-hand-written-loop")
+    wanted = "enabled=state.settings.grad_scaler"
+    assert wanted in source
+    twin = source.replace(wanted, "enabled=False").replace('"my-loop"', '"no-scaler"')
+    (tmp_path / "no_scaler.py").write_text(twin)
+    (tmp_path / "my_loop.py").write_text(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "matrix", "run", str(ROOT / "cases"), "-p", "no_scaler", "-p", "my_loop",
+         "--model", "tiny-llama", "--precision", "fp16-mixed", "--mode", "train", "--engine", "no-scaler,my-loop",
+         "--device", "cpu", "--report-dir", str(tmp_path / "reports")],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+        capture_output=True, text=True, timeout=RUN_LIMIT_S,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    cells = cells_of(tmp_path / "reports" / "latest")
+    twin_cell, loop_cell = (
+        cells[("tiny-llama", "fp16-mixed", "train", "no-scaler")],
+        cells[("tiny-llama", "fp16-mixed", "train", "my-loop")],
+    )
+    assert twin_cell["metrics"]["effective"]["grad_scaler_in_run"] is False
+    assert loop_cell["metrics"]["effective"]["grad_scaler_in_run"] is True
+    summary = (tmp_path / "reports" / "latest" / "summary.md").read_text()
+    assert "under no-scaler on cpu the model's first forward ran without a grad scaler" in summary
+    assert "under my-loop on cpu" not in summary
+
+
 # ---------------------------------------------------------------- own-model.md
 
 

@@ -6,7 +6,9 @@ cell records the autocast really in force in the model's first forward
 the engine ran something else than the precision's name says: on a CPU, accelerate and the
 Trainer run fp16 mixed precision without autocast, Lightning turns 16-mixed into bf16-mixed. Such
 a cell can pass every check and still say nothing about the precision it is filed under, so the
-reports mark it and say what ran.
+reports mark it and say what ran. Likewise a precision that declares a grad scaler
+(`declared.grad_scaler`) where the engine's run held none after training
+(`effective.grad_scaler_in_run`, Engine.scaler_state).
 """
 
 from __future__ import annotations
@@ -20,26 +22,34 @@ def _autocast(dtype: str | None) -> str:
 
 def ran_instead(cell: dict) -> str | None:
     """'without autocast' / 'with bfloat16 autocast' where the autocast in force in the cell's
-    first forward is not the one its precision declares; None where it is, or where nothing
-    says (no forward observed, no declaration recorded: an older run, a cell that failed early)."""
+    first forward is not the one its precision declares, 'without a grad scaler' where the
+    precision declares one and the engine's run held none after training (a loop that leaves it
+    out, accelerate's fp16 on a CPU), both where both; None where the cell ran what was declared,
+    or where nothing says (no forward observed, no declaration recorded: an older run, a cell that
+    failed early)."""
     metrics = CellMetrics.from_dict(cell.get("metrics") or {})
     declared = given(metrics.declared)
+    if not isinstance(declared, dict):
+        return None
     effective = given(metrics.effective) or Effective()
     actual = effective.autocast_dtype_in_forward
-    if not isinstance(declared, dict) or "autocast_dtype" not in declared or actual is UNSET:
-        return None
-    if actual == declared["autocast_dtype"]:
-        return None
-    return _autocast(actual)
+    instead = []
+    if "autocast_dtype" in declared and actual is not UNSET and actual != declared["autocast_dtype"]:
+        instead.append(_autocast(actual))
+    if declared.get("grad_scaler") is True and effective.grad_scaler_in_run is False:
+        instead.append("without a grad scaler")
+    return " and ".join(instead) or None
 
 
 def asked_and_ran(cell: dict) -> str:
-    """'fp16-mixed asks for float16 autocast; under accelerate on cpu the model's first forward ran
-    without autocast' (for a cell that did not exercise its precision: ran_instead is not None)."""
+    """'fp16-mixed asks for float16 autocast and a grad scaler; under accelerate on cpu the model's
+    first forward ran without autocast' (for a cell that did not exercise its precision:
+    ran_instead is not None)."""
     declared = given(CellMetrics.from_dict(cell.get("metrics") or {}).declared) or {}
     asked = declared.get("autocast_dtype")
+    scaler = " and a grad scaler" if declared.get("grad_scaler") is True else ""
     return (
-        f"{cell['precision']} asks for {'no autocast' if asked is None else asked + ' autocast'}; "
+        f"{cell['precision']} asks for {'no autocast' if asked is None else asked + ' autocast'}{scaler}; "
         f"under {cell['engine']} on {cell['device']} the model's first forward ran {ran_instead(cell)}"
     )
 

@@ -146,7 +146,9 @@ class Effective(Record):
     parameter_dtypes: dict | None = UNSET  # dtype -> element count, every parameter
     trainable_parameter_dtypes: dict | None = UNSET  # dtype -> element count, trainable ones
     autocast_dtype: str | None = UNSET  # the precision's autocast context's dtype, null: off
-    grad_scaler: bool | None = UNSET  # the precision's grad scaler is enabled
+    grad_scaler: bool | None = UNSET  # the precision's grad scaler is enabled (what the harness would make)
+    # the engine's run held a loss scaler after training (Engine.scaler_state): what the loop did
+    grad_scaler_in_run: bool | None = UNSET
     device: str | None = UNSET  # the torch device the cell ran on
     autocast_dtype_in_forward: str | None = UNSET  # in force in the model's first forward
     first_linear_input_dtype: str | None = UNSET  # the first Linear module's input dtype
