@@ -494,7 +494,8 @@ def merge_runs(args) -> int:
         return 2
     counts = document["counts"]
     print(
-        f"{args.output}: {len(document['cells'])} cells from {len(args.inputs)} runs: {counts['failed']} new failures, "
+        f"{args.output}: {len(document['cells'])} cells from {len(args.inputs)} runs: "
+        f"{counts['failed']} failures not in the catalogue, "
         f"{counts['fixed']} fixed, {counts['known']} known, {counts['passed']} passed, {counts['skipped']} skipped"
     )
     for warning in document["environment"]["warnings"]:

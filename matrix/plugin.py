@@ -616,8 +616,8 @@ class Recorder:
         terminalreporter.write_sep("=", "precision matrix")
         if self.run.records:
             terminalreporter.write_line(
-                f"{counts['failed']} new failures, {counts['fixed']} fixed, {counts['known']} known failures, "
-                f"{counts['passed']} passed, {counts['skipped']} skipped cells"
+                f"{counts['failed']} failures not in the catalogue, {counts['fixed']} fixed, "
+                f"{counts['known']} known failures, {counts['passed']} passed, {counts['skipped']} skipped cells"
                 + (f", {counts['inapplicable']} not applicable here" if counts["inapplicable"] else "")
             )
         ran = [e for e in self.run.explorations if e["skip_reason"] is None]
