@@ -222,3 +222,27 @@ def test_a_variant_the_model_cannot_take_is_refused(tmp_path):
     )
     assert generated.returncode == 2 and "Traceback" not in generated.stderr
     assert generated.stderr.startswith("python -m matrix repro: --variant: ")
+
+
+def test_a_compiled_twins_script_compares_with_its_eager_twin_as_the_matrix_does(tmp_path):
+    """The compiled-vs-eager check (matrix/pipeline.py check_against_eager) in the script: the
+    same compiled evaluation and eager twin as the matrix recorded, the same row, and the logits'
+    dtype compared (the aot-autograd-cache entry's check)."""
+    cell = "tiny-llama-bf16-mixed-eval-cpu-torch-compile"
+    reports = tmp_path / "reports"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "cases", "--report-dir", str(reports), "--engine", "torch-compile",
+         "--device", "cpu", "--model", "tiny-llama", "-k", "bf16-mixed and eval", "-p", "no:cacheprovider", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    (run,) = [p for p in reports.iterdir() if p.is_dir() and p.name != "latest"]
+    metrics = record_of(run, cell)["metrics"]
+    assert record_of(run, cell)["outcome"] == "passed"
+    done = run_standalone(write_script(cell, run, tmp_path), tmp_path, "--json", str(tmp_path / "out.json"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = json.loads((tmp_path / "out.json").read_text())["checks"]
+    (loss,) = [c for c in checks if c["what"] == "compiled eval loss against the eager twin"]
+    assert loss["held"] and loss["value"] == metrics["eval_loss"]
+    assert loss["reference"] == metrics["compiled"]["eager_loss"]
+    (dtype,) = [c for c in checks if c["what"] == "compiled eval logits dtype"]
+    assert dtype["value"] == dtype["reference"] == f"torch.{metrics['compiled']['eager_logits_dtype']}"

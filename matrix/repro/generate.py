@@ -223,6 +223,7 @@ def write_script(cell_id: str, run: Path | None, variant: str | None, world: int
     from matrix.pipeline import is_fp32_twin
     from matrix.tolerances import (
         LOSS_FALL_VS_FP32,
+        compiled_vs_eager_tolerance,
         curve_vs_fp32_twin,
         curve_vs_torch_engine,
         eval_loss_tolerance,
@@ -327,6 +328,8 @@ def write_script(cell_id: str, run: Path | None, variant: str | None, world: int
         # a distributed engine whose kind draws dropout masks: its first step is compared with dropout off
         "SPLIT_DRAWS": split_draws,
         "COMPILED": engine.compiled,
+        # a compiled twin's evaluation against its eager twin (matrix/pipeline.py check_against_eager)
+        "EAGER_ROW": compiled_vs_eager_tolerance(precision.compute_dtype).as_dict() if engine.compiled else None,
         "COMPILE_BACKEND": BACKEND,
         "INIT_SEED": 0,
         "FIRST_FORWARD_SEED": FIRST_FORWARD_SEED,

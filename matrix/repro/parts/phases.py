@@ -191,9 +191,44 @@ def train_steps(cell):
         raise diverged
 
 
+def check_against_eager(cell, evaluation):
+    """A compiled twin's evaluation against its eager twin: the same weights evaluated with every
+    compiled module running eagerly, as the run evaluates. The logits' dtype is the same; the loss
+    is within the compiled-vs-eager row of the compute dtype (EAGER_ROW)."""
+    if not COMPILED:
+        return
+    owns_loop = getattr(ENGINE, "owns_loop", False)
+    with torch.compiler.set_stance("force_eager"):
+        if owns_loop:  # the library's evaluation was taken after step k: the weights held there
+            eager = evaluate_as_run(getattr(ENGINE, "exported", ENGINE.weights)(cell.run))
+        else:
+            eager = ENGINE.evaluate(cell.run)
+    value = finite_loss(evaluation[0], "compiled eval loss")
+    reference = finite_loss(eager[0], "eager twin's eval loss")
+    if not owns_loop:  # a library's loop evaluates through wrappers the plain model lacks
+        same = evaluation[1].dtype == eager[1].dtype
+        compared("DtypeContractBroken", "compiled eval logits dtype", str(evaluation[1].dtype), str(eager[1].dtype),
+                 "the eager twin's", same)  # fmt: skip
+        if not same:
+            raise CheckFailed(
+                "DtypeContractBroken",
+                "compiled eval logits have another dtype than the eager twin's",
+                f"compiled {evaluation[1].dtype}, eager {eager[1].dtype}",
+            )
+    within(
+        "OutOfTolerance",
+        "compiled eval loss against the eager twin",
+        value,
+        reference,
+        EAGER_ROW,
+        f"compiled eval loss against the eager twin {value:.6g} is off {reference:.6g}",
+    )
+
+
 def mid_training_eval(cell):
     cell.evaluation = ENGINE.evaluate(cell.run)
     check_against_fp32("mid-training eval", cell.evaluation[0], ENGINE.weights(cell.run))
+    check_against_eager(cell, cell.evaluation)
 
 
 def evaluate(cell):
@@ -202,6 +237,7 @@ def evaluate(cell):
     cell.run = ENGINE.start(model, False)
     cell.evaluation = ENGINE.evaluate(cell.run)
     check_against_fp32("eval", cell.evaluation[0], ENGINE.weights(cell.run))
+    check_against_eager(cell, cell.evaluation)
     if ENGINE_NAME == "torch":
         return
     try:
