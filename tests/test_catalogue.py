@@ -181,7 +181,7 @@ def test_known_fixed_and_new_failures_in_a_real_run(run_pytest, tmp_path):
     assert done.returncode == 1  # the new failure
     assert "1 xfailed" in done.stdout and "1 xpassed" in done.stdout
     summary = (tmp_path / "reports" / "latest" / "summary.md").read_text()
-    assert "**1 failures not in the catalogue, 1 fixed, 1 known failures" in summary
+    assert "**1 failure not in the catalogue, 1 fixed, 1 known failure," in summary
     fixed = summary.split("## Fixed")[1].split("##")[0]
     assert "- entry `claims-fp32-fails`: **1 cell**" in fixed and "`broken-matmul-fp32-train-cpu-torch`" in fixed
 

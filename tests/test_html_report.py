@@ -311,7 +311,7 @@ def test_header_environment_merged_runs_and_explorations():
     for expected in ("run-html", "incomplete run", "warning: several different GPUs are visible", "abc123"):
         assert expected in header
     assert (
-        "1 failures not in the catalogue" in header
+        "1 failure not in the catalogue" in header
         and "1 fixed" in header
         and "1 known" in header
         and "9 skipped" in header

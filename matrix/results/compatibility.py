@@ -10,7 +10,7 @@ Standard library only.
 
 from __future__ import annotations
 
-from matrix.results.files import hardware_line, known_failure_keys
+from matrix.results.files import hardware_line
 from matrix.results.markdown import _md, grouped
 
 HF_PREFIX = "hf:"
@@ -64,7 +64,8 @@ def compatibility_markdown(document: dict, title: str | None = None) -> str | No
     run, env = document["run"], document["environment"]
     packages = env.get("packages", {})
     stack = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
-    known_keys = known_failure_keys(document)
+    # the catalogue entry's id, as every report names it (a per-page K-number named another entry on the next page)
+    known_keys = {entry_id: f"`{entry_id}`" for entry_id in document.get("known_failures") or {}}
     counts = architecture_counts(cells)
     outcomes = {
         o: sum(c["outcome"] == o for c in cells)
@@ -85,9 +86,9 @@ def compatibility_markdown(document: dict, title: str | None = None) -> str | No
         f"- stack: {stack}",
         f"- machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs ({hardware_line(env)})",
         "",
-        "✅ passed · ⚠️ K*n* a known failure (the catalogue entry below) · ❌ `sig-…` a new failure · "
-        "❗ K*n* the entry says it fails but it passed · ➖ K*n* passed, the entry does not apply on this "
-        "machine's hardware · ⏭️ skipped. Columns where every cell skipped "
+        "✅ passed · ⚠️ `entry` a known failure (the catalogue entry, listed below) · ❌ `sig-…` not in the "
+        "catalogue · ❗ `entry` the entry says it fails but it passed · ➖ `entry` passed, the entry does not apply "
+        "on this machine's hardware · ⏭️ skipped. Columns where every cell skipped "
         "(a precision no engine here runs) are left out; the skip reasons are listed below.",
     ]
     ran = [c for c in cells if c["outcome"] != "skipped"]
@@ -127,7 +128,7 @@ def compatibility_markdown(document: dict, title: str | None = None) -> str | No
             first = group[0]
             if first["outcome"] == "known":
                 entry = document["known_failures"][first["known_failure"]["id"]]
-                label = f"{known_keys[first['known_failure']['id']]} `{first['known_failure']['id']}`"
+                label = known_keys[first["known_failure"]["id"]]
                 kind = entry["kind"]
             else:
                 label, kind = f"❌ `{first['signature']['id']}`", "**new**"
@@ -159,8 +160,7 @@ def compatibility_markdown(document: dict, title: str | None = None) -> str | No
             for entry_id, entry in document["known_failures"].items():
                 if entry_id in used:
                     upstream = ", ".join(entry["upstream"]) or "found by this matrix"
-                    key = known_keys[entry_id]
-                    lines.append(f"- {key} `{entry_id}` ({entry['kind']}; {upstream}): {_md(entry['title'])}")
+                    lines.append(f"- `{entry_id}` ({entry['kind']}; {upstream}): {_md(entry['title'])}")
     return "\n".join(lines) + "\n"
 
 

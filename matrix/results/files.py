@@ -120,8 +120,3 @@ def hardware_line(env: dict) -> str:
     if detected is not None:
         parts.append(f"bitsandbytes detects AVX512-BF16: {'yes' if detected else 'no'}")
     return "; ".join(parts)
-
-
-def known_failure_keys(document: dict) -> dict[str, str]:
-    """Catalogue entry id -> its short key in a report (K1, K2, ...), in the document's order."""
-    return {entry_id: f"K{n + 1}" for n, entry_id in enumerate(document.get("known_failures") or {})}

@@ -482,7 +482,11 @@ def header(document: dict, shown: Reach) -> str:
         ("known", "known"),
         ("passed", "passed" + (f" ({unexercised} without the precision exercised)" if unexercised else "")),
     )  # the cells that ran; the skipped ones are the next line's (reach_line)
-    badges = "".join(f'<span class="{outcome_class(o)}">{esc(counts.get(o, 0))} {label}</span>' for o, label in labels)
+    badges = "".join(
+        f'<span class="{outcome_class(o)}">{esc(counts.get(o, 0))} '
+        f"{label.replace('failures', 'failure', 1) if counts.get(o, 0) == 1 else label}</span>"
+        for o, label in labels
+    )
     ran = ran_here(document)
     headline = (
         f"{badges} of {ran} cells that ran here"
@@ -741,7 +745,8 @@ def unexercised_section(document: dict) -> str:
         "unexercised",
         f"Passed without the precision exercised: {len(unexercised)} cell{'s' if len(unexercised) != 1 else ''}",
         "They passed every check, but the autocast in force in their model's first forward was not the one their "
-        "precision declares: they say nothing about that precision here (striped in the grids; each cell's panel "
+        "precision declares, or their run held no grad scaler where it asks for one: they say nothing about that "
+        "precision here (striped in the grids; each cell's panel "
         "says what ran).",
         ("asked for, and what ran", "cells"),
         [[esc(line), cell_links(ids)] for line, ids in sorted(groups.items(), key=lambda item: -len(item[1]))],

@@ -65,6 +65,12 @@ def grouped(cells: list[dict], key) -> dict[str, list[dict]]:
     return dict(sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])))
 
 
+def _failures(count: int, number: bool = True) -> str:
+    """'1 failure', '2 failures' (number=False: the noun alone)."""
+    noun = "failure" if count == 1 else "failures"
+    return f"{count} {noun}" if number else noun
+
+
 def _cells(count: int) -> str:
     return f"**{count} cell{'s' if count != 1 else ''}**"
 
@@ -113,7 +119,8 @@ def unexercised_markdown(cells: list[dict]) -> list[str]:
     by_line = grouped(unexercised, asked_and_ran)
     lines += [
         f"{_cells(len(unexercised))} passed every check, but the autocast in force in their model's first forward "
-        "was not the one their precision declares: they say nothing about that precision here (☑️ in the grids; "
+        "was not the one their precision declares, or their run held no grad scaler where it asks for one: they say "
+        "nothing about that precision here (☑️ in the grids; "
         "each cell's `metrics.effective` in results.json says what ran).",
         "",
     ]
@@ -133,8 +140,8 @@ def summary_markdown(document: dict) -> str:
         f"# Mixed-precision matrix: run {run['id']}",
         "",
         (
-            f"**{counts['failed']} failures not in the catalogue, {counts['fixed']} fixed, "
-            f"{counts['known']} known failures, {passed_count(document)}"
+            f"**{_failures(counts['failed'])} not in the catalogue, {counts['fixed']} fixed, "
+            f"{counts['known']} known {_failures(counts['known'], number=False)}, {passed_count(document)}"
             + (f", {counts['inapplicable']} not applicable here" if counts.get("inapplicable") else "")
             + f"** of {ran} cells that ran here, in {run.get('duration_s', 0):.1f} s."
             if ran
