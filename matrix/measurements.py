@@ -289,7 +289,7 @@ def position_deviations(logits: torch.Tensor, reference: torch.Tensor, attention
     No label is predicted from a pad position (models/causal_lm.py next_token_targets), so
     the pad positions' outputs never reach a loss or a check. They are recorded because what
     an attention kernel returns for a fully masked row differs between kernels and dtypes
-    (SDPA on CUDA in half precision, docs/GPU.md): a finding to see, not a failure.
+    (SDPA on CUDA in half precision, docs/gpu-runs/h100-2026-11-22): a finding to see, not a failure.
     """
     if attention_mask is None or logits.shape[:2] != attention_mask.shape or reference.shape != logits.shape:
         return {}

@@ -460,7 +460,7 @@ def check_quantization_error(state: CellState, model, value: float, label: str) 
 
 def real_positions(state: CellState, *logits: torch.Tensor) -> list[torch.Tensor]:
     """Logits at the batch's real positions only, where it has a per-position attention mask: what
-    a fully masked (pad) query returns is the kernel's own (docs/GPU.md) and feeds no loss."""
+    a fully masked (pad) query returns is the kernel's own (docs/gpu-runs/h100-2026-11-22) and feeds no loss."""
     mask = state.batch.get("attention_mask")
     if mask is None or any(t.shape[:2] != mask.shape for t in logits):
         return [t.float() for t in logits]

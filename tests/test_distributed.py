@@ -339,7 +339,7 @@ def test_an_optimizer_state_lost_or_changed_across_a_reload_is_named():
 def test_collectives_put_their_tensor_where_the_backend_reduces(backend, expected, monkeypatch):
     """The rank-agreement collectives (matrix/group.py) on nccl need a CUDA tensor: a CPU one
     raised "No backend type associated with device type cpu" in 420 one-rank cells of the
-    first GPU run (docs/GPU.md). The backend is simulated; the device chosen is real."""
+    first GPU run (docs/gpu-runs/h100-2026-11-22). The backend is simulated; the device chosen is real."""
     import torch
     import torch.distributed as dist
 

@@ -3,9 +3,9 @@ exploration can draw.
 
 A pad query attends to nothing; what an attention kernel outputs for such a fully masked row
 is its own business (on CUDA, SDPA's half-precision kernels and its fp32 one disagree there by
-0.28 nats: docs/GPU.md). A loss that reads it compares kernels, not precisions. The property
-is checked on the model itself: whatever the outputs at pad positions are, the loss is the
-same.
+0.28 nats: docs/gpu-runs/h100-2026-11-22/pad-row-probe-output.txt). A loss that reads it
+compares kernels, not precisions. The property is checked on the model itself: whatever the
+outputs at pad positions are, the loss is the same.
 """
 
 import pytest

@@ -52,9 +52,9 @@ def next_token_targets(mask: torch.Tensor) -> torch.Tensor:
     query attends to nothing (every key before it is a pad), and the output of such a fully
     masked attention row is whatever the kernel makes of it: on CUDA, SDPA's half-precision
     kernels return another value than its fp32 one (pytorch/pytorch#110213), which moved
-    the loss by 0.03 with nothing wrong in the precision path (docs/GPU.md). So no label is
-    predicted from a pad position; what the pad positions output is recorded instead
-    (measurements.position_deviations).
+    the loss by 0.03 with nothing wrong in the precision path (docs/gpu-runs/h100-2026-11-22,
+    pad_row_probe.py). So no label is predicted from a pad position; what the pad positions
+    output is recorded instead (measurements.position_deviations).
     """
     real = mask.bool()
     previous_real = torch.ones_like(real)
