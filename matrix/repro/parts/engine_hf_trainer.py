@@ -55,23 +55,6 @@ def trainer_clone(tensors):
     return {name: copies.setdefault(id(t), t.detach().clone()) for name, t in tensors.items()}
 
 
-def trainer_holding(weights):
-    """A fresh model of the kind holding `weights` in their own dtypes."""
-    model = build(CELL)
-    found = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            target = found.get(name)
-            if target is None or not target.is_floating_point():
-                continue
-            value = tensor.to(DEVICE)
-            if target.dtype == value.dtype and target.shape == value.shape:
-                target.copy_(value)
-            else:
-                target.data = value
-    return model
-
-
 class TrainerFollowing(TrainerCallback):
     """Follows the Trainer's train() for the phases: each step's loss and whether it was applied,
     what the Trainer held after step k (a resumed run: as it begins), its evaluation there."""
@@ -236,7 +219,7 @@ class HFTrainerLoop(ReplayedLoop):
         if progress is None or not self.paused(progress):
             return plain_of(run["trainer"].model)
         if progress["model"] is None:
-            progress["model"] = trainer_holding(progress["held"]["weights"])
+            progress["model"] = model_holding(progress["held"]["weights"])
         return progress["model"]
 
     def exported(self, run):

@@ -64,23 +64,6 @@ class LightningFollowing(Callback):
             progress["evaluation"] = pl_module.validation_output
 
 
-def lightning_holding(weights):
-    """A fresh model of the kind holding `weights` in their own dtypes."""
-    model = build(CELL)
-    found = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            target = found.get(name)
-            if target is None or not target.is_floating_point():
-                continue
-            value = tensor.to(DEVICE)
-            if target.dtype == value.dtype and target.shape == value.shape:
-                target.copy_(value)
-            else:
-                target.data = value
-    return model
-
-
 def lightning_loader():
     batch = {k: v.cpu() for k, v in BATCH.items()}
     return torch.utils.data.DataLoader([batch], batch_size=None)  # one fixed batch per epoch
@@ -169,7 +152,7 @@ class LightningLoop(ReplayedLoop):
     def live_evaluation(self, run):
         """The resumed fit's evaluation as it begins, under the precision plugin's forward
         context as Lightning validates, of a copy of its weights (the run left as fit() holds it)."""
-        copy = lightning_holding(plain_of(run["module"].model).state_dict()).eval()
+        copy = model_holding(plain_of(run["module"].model).state_dict()).eval()
         if COMPILED:
             copy = torch.compile(copy, backend=COMPILE_BACKEND)
         with torch.random.fork_rng(devices=RNG_DEVICES), eval_grad_mode():
@@ -224,7 +207,7 @@ class LightningLoop(ReplayedLoop):
         if progress is None or not self.paused(progress):
             return plain_of(run["module"].model)
         if progress["model"] is None:
-            progress["model"] = lightning_holding(progress["held"]["weights"])
+            progress["model"] = model_holding(progress["held"]["weights"])
         return progress["model"]
 
     def exported(self, run):

@@ -345,3 +345,21 @@ def curve_within(name, losses, reference, row, what):
         )
     print(f"       the worst step used {worst_share:.0%} of its allowance")
     return None
+
+
+def model_holding(weights, into=None):
+    """A model of the kind in the cell's precision holding `weights` (a full state dict) in their
+    own dtypes: a tensor of another dtype than the fresh model's replaces its data."""
+    model = build(CELL) if into is None else into
+    found = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            target = found.get(name)
+            if target is None or not target.is_floating_point():
+                continue
+            value = tensor.to(DEVICE)
+            if target.dtype == value.dtype and target.shape == value.shape:
+                target.copy_(value)
+            else:
+                target.data = value
+    return model
