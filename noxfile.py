@@ -321,6 +321,18 @@ def releases(session: nox.Session) -> None:
     session.run("python", "-m", "matrix", "releases", "--output", str(ROOT / "docs" / "RELEASES.md"), *session.posargs)
 
 
+@nox.session(name="entry-releases")
+def entry_releases(session: nox.Session) -> None:
+    """Each catalogued bug's standalone script on the releases its entry names, then
+    docs/entry-releases.md: nox -s entry-releases -- [--entry ID ...] [--budget S]
+
+    The releases go into the default stack's scratch environment (.bisect/default), not here; this
+    environment writes the scripts (the deepspeed extra: DeepSpeed's cells are written with it).
+    """
+    install_stack(session, "deepspeed")
+    session.run("python", "-m", "matrix", "entry-releases", "-p", "tests.plugins.user_qlora", *session.posargs)
+
+
 @nox.session
 def bisect(session: nox.Session) -> None:
     """The release that changed one cell: nox -s bisect -- --package P --good V1 --bad V2 --cell ID [--stack S]

@@ -7,6 +7,8 @@
   sweep ...              one selection over several releases of a package (matrix/sweep.py)
   releases -o PAGE       the published table: the sweeps of matrix/releases.toml, then the page
   repro CELL             a standalone script that reproduces one cell (matrix/repro.py)
+  entry-releases         each catalogued bug's script on the releases its entry names
+                         (matrix/entry_releases.py: docs/entry-releases.md)
   triage RUN             each new signature of a run as a standalone script, run in a fresh process:
                          reproduces, does not reproduce, another failure (matrix/triage.py)
   replay CELL            one cell, optionally with an exploration's variant
@@ -113,6 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="ranks a distributed engine's script starts (default: the ranks the run's cell had, else the matrix's 2)",
     )
+    shown = commands.add_parser(
+        "entry-releases", help="each catalogued bug's script on the releases its entry names, then the page"
+    )
+    shown.add_argument("--entry", action="append", help="a bug entry's id (default: every one); repeatable")
+    shown.add_argument("--release", action="append", help="only this release, PACKAGE==VERSION; repeatable")
+    shown.add_argument("--budget", type=float, default=3000.0, help="seconds; rows left then keep earlier results")
+    shown.add_argument("--stack", default="default", help="the stack whose scratch environment the releases go into")
+    shown.add_argument("--writer", default=sys.executable, help="the Python that writes the scripts (default: this)")
+    shown.add_argument("-p", dest="plugins", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
+    shown.add_argument("-o", "--output", type=Path, default=None, help="the page (default: docs/entry-releases.md)")
     triaged = commands.add_parser(
         "triage",
         help="run each new signature's smallest cell as a standalone script in a fresh process and classify it: "
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--stack", default=None, help="the stack they are golden for (default: the run's, else default)")
     write.add_argument("-o", "--output", type=Path, help="default: matrix/golden/curves-<stack>.json")
     args, extra = parser.parse_known_args(argv)
-    takes_no_more = args.command in ("diff", "merge", "compatibility", "curves", "triage") and (
+    takes_no_more = args.command in ("diff", "merge", "compatibility", "curves", "triage", "entry-releases") and (
         args.command != "curves" or args.curves_command != "run"  # curves run hands the rest to the run
     )
     if takes_no_more and extra:
@@ -232,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return golden_curves(args, extra)
     if args.command == "triage":
         return triage_run(args)
-    if args.command in ("replay", "repro") and not load_plugins(args.command, args.plugins):
+    if args.command in ("replay", "repro", "entry-releases") and not load_plugins(args.command, args.plugins):
         return 2
     if args.command == "replay":
         return replay_cell(args.cell, args.variant, args.cuda_device)
@@ -253,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "sweep":
         return sweep_releases(args, extra)
+    if args.command == "entry-releases":
+        return entry_releases(args)
     if args.command == "releases":
         return publish_releases(args)
 
@@ -266,6 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     except BisectError as error:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
         return NOTHING_RAN_STATUS if isinstance(error, NothingRan) else 2
+    return 0
+
+
+def entry_releases(args) -> int:
+    from matrix.entry_releases import PAGE, EntryReleasesError, run
+
+    try:
+        run(args.entry, args.release, args.budget, args.stack, args.writer, args.plugins, args.output or PAGE)
+    except EntryReleasesError as error:
+        print(f"python -m matrix entry-releases: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -66,6 +66,7 @@ class Entry:
     notes: str = ""
     when: tuple[Requirement, ...] = ()  # conditions that must all hold (matrix/conditions.py)
     may_pass: bool = False  # a claimed cell that passes is passed, not fixed (a deviation's size varies)
+    shown_by: str = ""  # a bug's cell whose standalone script shows it (matrix/entry_releases.py)
 
     def unmet(self, context: Context, reads: str) -> list[Requirement]:
         """The entry's conditions reading `reads` ("hardware", "run", "cell") that do not hold."""
@@ -242,6 +243,8 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
             raise _fail(path, where, "field 'may_pass' must be true or false")
         if may_pass and not any(r.reads == "cell" for r in when):
             raise _fail(path, where, "field 'may_pass' needs a cell condition in 'when' that probes the mechanism")
+        if not isinstance(raw.get("shown_by", ""), str):
+            raise _fail(path, where, "field 'shown_by' must be a cell id (a string)")
         if raw["id"] in seen:
             raise _fail(path, where, "duplicate id")
         seen.add(raw["id"])
@@ -291,6 +294,7 @@ def parse(text: str, path: Path = CATALOGUE_FILE, axes: dict[str, tuple[str, ...
                 notes=raw.get("notes", ""),
                 when=when,
                 may_pass=may_pass,
+                shown_by=raw.get("shown_by", ""),
             )
         )
     return Catalogue(entries)

@@ -1,0 +1,167 @@
+"""python -m matrix entry-releases (matrix/entry_releases.py): the releases an entry's specifiers
+name, the verdicts, the script's failure read as a signature, the page's agreement with the
+catalogue, and one entry run on two of its releases where the scratch environment is built."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from matrix.catalogue import load
+from matrix.entry_releases import (
+    PAGE,
+    VERDICTS,
+    _same_release,
+    page_markdown,
+    releases_named,
+    seen_signature,
+    verdict_of,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTED = ["5.16.1", "5.17.0", "5.18.0", "5.20.2", "5.21.0", "5.22.0", "5.23.0rc1", "5.21.0+cpu", "not-a-version"]
+
+
+@pytest.mark.parametrize(
+    ("specifier", "named", "fixed"),
+    [
+        (">=5.17.0,<5.21.0", ("5.17.0", "5.20.2"), "5.21.0"),
+        (">=5.20,<5.21", ("5.20.2",), "5.21.0"),  # 5.21 names the listed 5.21.0
+        ("==5.18.0", ("5.18.0",), None),
+        ("<5.19", ("5.16.1", "5.18.0"), None),  # 5.19 is no release: no fixed one
+        (">5.17.0", ("5.18.0", "5.22.0"), None),  # pre-releases and local builds are left out
+        (">=5.24", (), None),
+        ("<=5.21.0", ("5.16.1", "5.21.0"), None),  # an inclusive bound names no fixed release
+    ],
+)
+def test_releases_an_entry_names(specifier, named, fixed):
+    assert releases_named(specifier, LISTED) == (named, fixed)
+
+
+versions = st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)).map(lambda v: ".".join(map(str, v)))
+
+
+@given(st.lists(versions, min_size=1, max_size=12), versions, versions)
+def test_named_releases_are_the_ends_of_what_the_specifier_admits(listed, low, high):
+    specifier = SpecifierSet(f">={low},<{high}")
+    named, fixed = releases_named(specifier, listed)
+    admitted = sorted({Version(v) for v in listed if Version(v) in specifier})
+    assert [Version(v) for v in named] == sorted({admitted[0], admitted[-1]}) if admitted else named == ()
+    if Version(high) in {Version(v) for v in listed}:
+        assert fixed is not None and Version(fixed) == Version(high) and Version(fixed) not in specifier
+    else:
+        assert fixed is None
+
+
+@pytest.mark.parametrize(
+    ("installed", "release", "same"),
+    [("2.13.0+cpu", "2.13.0", True), ("0.50.2", "0.50.2", True), ("5.0", "5.0.0", True), ("2.12.1", "2.13.0", False)],
+)
+def test_an_installed_local_build_is_the_release_it_builds(installed, release, same):
+    assert _same_release(installed, release) is same
+    assert not _same_release(None, release)
+
+
+def _row(role, ran, status, matches):
+    return {"role": role, "ran": ran, "exit": status, "matches_entry": matches}
+
+
+@pytest.mark.parametrize(
+    ("row", "verdict"),
+    [
+        (_row("named", True, 1, True), "shows it"),
+        (_row("named", True, 1, False), "differs"),  # a failure, not the entry's
+        (_row("named", True, 0, None), "differs"),
+        (_row("named", True, 2, False), "differs"),
+        (_row("named", True, None, None), "differs"),  # ran past its time
+        (_row("fixed", True, 0, None), "fixed there"),
+        (_row("fixed", True, 1, True), "differs"),
+        (_row("named", False, None, None), "not run here"),
+    ],
+)
+def test_verdict_from_the_scripts_exit(row, verdict):
+    assert verdict_of(row) == verdict
+
+
+def test_the_scripts_failure_reads_as_the_matrix_signature_its_entry_matches():
+    entries = {e.id: e for e in load().entries}
+    traceback = (
+        "Traceback (most recent call last):\n"
+        '  File "/tmp/x/repro.py", line 10, in evaluate\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1, in _call_impl\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/modules/transformer.py", line 2, in forward\n'
+        "RuntimeError: expected scalar type Float but found BFloat16\n"
+    )
+    outcome = {
+        "phase": "evaluate",
+        "failure": {"name": "RuntimeError", "message": "expected scalar type Float but found BFloat16"},
+    }
+    seen = seen_signature(outcome, traceback)
+    assert seen.endswith("@ torch.nn.modules.transformer:forward"), seen
+    assert entries["torch-encoder-fastpath-autocast"].matches(seen)
+    check = {"phase": "checkpoint_reload", "failure": {"name": "FrozenParameterThawed", "message": "after reload: "}}
+    check["failure"]["message"] += "a parameter the model is created with requires_grad=False is trainable"
+    seen = seen_signature(check, "")
+    assert seen.startswith("checkpoint_reload: matrix.checks.FrozenParameterThawed: after reload"), seen
+    assert entries["from-pretrained-thaws-frozen-parameters"].matches(seen)
+    assert not entries["torch-encoder-fastpath-autocast"].matches(seen)
+    assert seen_signature({"phase": None, "failure": None}, "") is None
+
+
+def _page_rows(page: Path = PAGE) -> list[dict]:
+    return json.loads(page.with_suffix(".json").read_text())["rows"]
+
+
+def test_the_page_has_every_bug_entry_and_verdicts_that_follow_from_the_exits():
+    bugs = {e.id: e for e in load().entries if e.kind == "bug"}
+    rows = _page_rows()
+    assert sorted(bugs) == sorted({r["entry"] for r in rows}), "rerun: python -m matrix entry-releases --budget 0"
+    for row in rows:
+        entry = bugs[row["entry"]]
+        where = f"{row['entry']} on {row['package']} {row['release']}"
+        assert row["cell"] == entry.shown_by, f"{where}: the page's cell is not the entry's shown_by"
+        assert row["verdict"] in VERDICTS and row["verdict"] == verdict_of(row), where
+        assert row["expected"] == (0 if row["role"] == "fixed" else 1), where
+        if row["ran"]:
+            assert row["ran_at"] and row["machine"] and isinstance(row["exit"], (int, type(None))), where
+        elif row["verdict"] == "not run here":
+            assert row["note"], f"{where}: a row not run says what it needs"
+        if row["release"] in ("-",) or row["package"] not in entry.versions:
+            continue
+        specifier = entry.versions[row["package"]]
+        if row["role"] == "fixed":
+            assert Version(row["release"]) in {Version(s.version) for s in specifier if s.operator == "<"}, where
+        elif Version(row["release"]).public == row["release"]:
+            assert specifier.contains(Version(row["release"])), f"{where}: {specifier} does not admit it"
+    assert PAGE.read_text() == page_markdown(rows), "the page is written from its JSON: regenerate it"
+
+
+SCRATCH = ROOT / ".bisect" / "default" / ".bisect-stack"
+ENTRY = "transformers-prequantized-reload-casts-saved-fp32-tensors"
+
+
+def test_an_entry_run_on_a_release_it_names_and_on_its_fixed_release(tmp_path):
+    if not SCRATCH.exists():
+        pytest.skip("needs the default stack's scratch environment (.bisect/default, built by a sweep or bisection)")
+    page = tmp_path / "entry-releases.md"
+    shutil.copy(PAGE.with_suffix(".json"), page.with_suffix(".json"))  # the other entries' rows, not replanned
+    command = [sys.executable, "-m", "matrix", "entry-releases", "--entry", ENTRY, "-o", str(page), "--budget", "900"]
+    command += ["--release", "transformers==5.20.2", "--release", "transformers==5.21.0"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["release"]: r for r in _page_rows(page) if r["entry"] == ENTRY}
+    named, fixed = rows["5.20.2"], rows["5.21.0"]
+    assert (named["exit"], named["verdict"]) == (1, "shows it"), named
+    assert named["phase"] == "checkpoint_reload" and named["matches_entry"], named
+    assert named["check"] and named["check"]["what"], named  # the check's numbers
+    assert (fixed["exit"], fixed["verdict"]) == (0, "fixed there"), fixed
+    assert page.read_text() == page_markdown(_page_rows(page))
