@@ -19,8 +19,8 @@ from pathlib import Path
 
 import nox
 
-sys.path.insert(0, str(Path(__file__).parent))  # matrix/stacks.py: data only, no torch
-from matrix import stacks as version_stacks
+sys.path.insert(0, str(Path(__file__).parent))  # matrix/releases/stacks.py: data only, no torch
+from matrix.releases import stacks as version_stacks
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
@@ -35,7 +35,7 @@ except version_stacks.StackError as error:  # one line naming the file and field
 TORCH_REQUIREMENT = os.environ.get("MATRIX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("MATRIX_TORCH_INDEX_URL")
 
-# in every environment nox makes, and in a sweep's or bisection's scratch environment (matrix/stacks.py)
+# in every environment nox makes, and in a sweep's or bisection's scratch environment (matrix/releases/stacks.py)
 DEFAULT_EXTRAS = version_stacks.DEFAULT_EXTRAS
 
 
@@ -66,12 +66,12 @@ def install_stack(session: nox.Session, *extras: str, stack: str = "default") ->
             stamp.write_text(key)
     session.env["MATRIX_STACK"] = stack  # recorded in every report
     # ops compiled on first use (DeepSpeed's CPU ops): the matrix's cells build them in a directory of
-    # the environment's, keyed by the torch and DeepSpeed releases (matrix/extension_builds.py)
+    # the environment's, keyed by the torch and DeepSpeed releases (matrix/engines/libraries/extension_builds.py)
     # Python's own default: cache bytecode, pytest's rewritten modules included. With
     # PYTHONDONTWRITEBYTECODE set (as on some CI images), every pytest and python -m matrix
     # process the tests start compiled the package and rewrote its modules again.
     session.env["PYTHONDONTWRITEBYTECODE"] = ""
-    session.run("python", "-m", "matrix.environment")  # prints the torch in use, and its CUDA
+    session.run("python", "-m", "matrix.devices.fingerprint")  # prints the torch in use, and its CUDA
 
 
 @nox.session
@@ -90,7 +90,7 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session
 def curves(session: nox.Session) -> None:
-    """Golden loss curves (matrix/curves.py): the golden selection trains from the saved initial
+    """Golden loss curves (matrix/results/curves.py): the golden selection trains from the saved initial
     weights in matrix/golden/initial/ and each training cell's curve is compared with the stack's
     golden one (matrix/golden/curves-<stack>.json); a curve that moved beyond its row, or one that
     is missing, fails the session (diff's curve-moved and removed categories).
@@ -119,7 +119,7 @@ def explore(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("name", list(STACKS))
 def stack(session: nox.Session, name: str) -> None:
-    """The matrix on a pinned version stack from matrix/stacks.toml, in its own reused venv.
+    """The matrix on a pinned version stack from matrix/releases/stacks.toml, in its own reused venv.
 
     nox -s "stack(name='seed-001-gemma3-hybridcache')" [-- pytest args]
     """
@@ -315,7 +315,7 @@ def sweep(session: nox.Session) -> None:
 
 @nox.session
 def releases(session: nox.Session) -> None:
-    """docs/RELEASES.md, regenerated: the sweeps matrix/releases.toml lists (transformers, peft,
+    """docs/RELEASES.md, regenerated: the sweeps matrix/releases/releases.toml lists (transformers, peft,
     accelerate, torch), then the page. Long: one matrix run per release."""
     install_stack(session)
     session.run("python", "-m", "matrix", "releases", "--output", str(ROOT / "docs" / "RELEASES.md"), *session.posargs)
@@ -418,19 +418,20 @@ def downstream(session: nox.Session) -> None:
     # --report-dir=DIR in one word: pytest takes a separate existing path argument into its rootdir
     session.run("python", "-m", "pytest", *selection, f"--report-dir={reports}", *session.posargs)
     session.run("python", "check_results.py", str(reports), "--checkout", str(ROOT))
+    session.run("python", "check_old_paths.py")  # written against the flat package's paths: they still import
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """How fast the matrix runs and what its harness costs: writes BENCHMARKS.md (matrix/bench.py).
+    """How fast the matrix runs and what its harness costs: writes BENCHMARKS.md (matrix/tools/bench.py).
 
     Its environment has the deepspeed extra (at the `deepspeed` stack's pin), which the default
     one leaves out: the cell cost per engine (--per-engine) then measures the DeepSpeed engines'
     cells beside the others', the figure that keeps them out of the default run.
-    Arguments after -- go to python -m matrix.bench: nox -s bench -- --per-cell-sample 8.
+    Arguments after -- go to python -m matrix.tools.bench: nox -s bench -- --per-cell-sample 8.
     """
     install_stack(session, "deepspeed", stack="deepspeed")
-    session.run("python", "-m", "matrix.bench", "--write", *session.posargs)
+    session.run("python", "-m", "matrix.tools.bench", "--write", *session.posargs)
 
 
 @nox.session

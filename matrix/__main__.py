@@ -1,26 +1,26 @@
 """python -m matrix COMMAND (also installed as `precision-matrix`):
 
-  run [pytest args]      the matrix in a crash- and hang-surviving supervisor (matrix/runner.py)
+  run [pytest args]      the matrix in a crash- and hang-surviving supervisor (matrix/plugin/supervisor.py)
   fold DIR               results.json from the journal of a run whose controller was killed
                          (matrix/results/run_directory.py)
-  bisect ...             the release that changed one cell's outcome (matrix/bisect.py)
-  sweep ...              one selection over several releases of a package (matrix/sweep.py)
-  releases -o PAGE       the published table: the sweeps of matrix/releases.toml, then the page
-  repro CELL             a standalone script that reproduces one cell (matrix/repro.py)
+  bisect ...             the release that changed one cell's outcome (matrix/releases/bisection.py)
+  sweep ...              one selection over several releases of a package (matrix/releases/sweep.py)
+  releases -o PAGE       the published table: the sweeps of matrix/releases/releases.toml, then the page
+  repro CELL             a standalone script that reproduces one cell (matrix/releases/repro/)
   entry-releases         each catalogued bug's script on the releases its entry names
-                         (matrix/entry_releases.py: docs/entry-releases.md)
+                         (matrix/releases/entry_releases.py: docs/entry-releases.md)
   triage RUN             each new signature of a run as a standalone script, run in a fresh process:
-                         reproduces, does not reproduce, another failure (matrix/triage.py)
+                         reproduces, does not reproduce, another failure (matrix/releases/triage.py)
   replay CELL            one cell, optionally with an exploration's variant
   diff OLD NEW           what changed between two runs (matrix/results/compare.py)
-  merge A B -o DIR       shard reports into one run (matrix/results/merge.py)
+  merge A B -o DIR       shard reports into one run (matrix/shards/merge.py)
   compatibility RUN      the architecture table of a run's hf: cells (matrix/results/compatibility.py)
   curves initial|write   golden loss curves: their saved initial weights, a run's curves as golden
-                         (matrix/curves.py); `diff GOLDEN RUN` compares a run with them
+                         (matrix/results/curves.py); `diff GOLDEN RUN` compares a run with them
 
 Exit status 2 means bad input, with one line saying which file and field. Exit status 4 (sweep,
 releases, bisect) means the selected cells did not run with some release (they skipped, or no run
-came back): the command decides nothing about it, and says where and why (matrix/bisect.py
+came back): the command decides nothing about it, and says where and why (matrix/releases/bisection.py
 NOTHING_RAN_STATUS); for triage, that the run has no new signature to triage (its page says so)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def load_plugins(command: str, modules: list[str]) -> bool:
     """Import the -p modules, as pytest would have: False (after one line) if one does not load."""
     import importlib
 
-    from matrix.registry import RegistrationError
+    from matrix.grid.registry import RegistrationError
 
     for module in modules:
         try:
@@ -50,7 +50,7 @@ def load_plugins(command: str, modules: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
-        from matrix.runner import main as run_matrix
+        from matrix.plugin.supervisor import main as run_matrix
 
         return run_matrix(argv[1:])  # everything after `run` is pytest's; run --help is the runner's own
     parser = argparse.ArgumentParser(prog="python -m matrix")
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     bisect.add_argument(
         "--cell", required=True, help="a cell id, e.g. gemma-cache-bf16-loaded-mixed-eval-cpu-accelerate"
     )
-    bisect.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to bisect on")
+    bisect.add_argument("--stack", default="default", help="stack from matrix/releases/stacks.toml to bisect on")
     bisect.add_argument("--report-dir", default=None, help="default: reports/ here")
     sweep = commands.add_parser(
         "sweep",
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         default="release",
         help="with --last: count releases, or minor lines (the newest patch of each)",
     )
-    sweep.add_argument("--stack", default="default", help="stack from matrix/stacks.toml to sweep on")
+    sweep.add_argument("--stack", default="default", help="stack from matrix/releases/stacks.toml to sweep on")
     sweep.add_argument(
         "--in-this-environment",
         action="store_true",
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sweep.add_argument("--report-dir", default=None, help="default: reports/ here")
     published = commands.add_parser(
-        "releases", help="the published compatibility table: the sweeps of matrix/releases.toml, then the page"
+        "releases", help="the published compatibility table: the sweeps of matrix/releases/releases.toml, then the page"
     )
     published.add_argument("-o", "--output", type=Path, required=True, help="the page, e.g. docs/RELEASES.md")
     published.add_argument(
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="SECONDS",
         help="when there are new failures and package versions differ between the runs, bisect each new "
-        "signature's first cell over every changed package, for at most this long (matrix/release_bisect.py)",
+        "signature's first cell over every changed package, for at most this long (matrix/releases/new_failures.py)",
     )
     compare.add_argument("--bisect-stack", help="the stack to bisect on (default: the new run's, else default)")
     compare.add_argument(
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     golden = commands.add_parser("curves", help="golden loss curves: their initial weights, a run's curves as golden")
     golden_commands = golden.add_subparsers(dest="curves_command", required=True)
     initial = golden_commands.add_parser(
-        "initial", help="save the initial weights and batch of the golden selection's kinds (matrix/initial_weights.py)"
+        "initial",
+        help="save the initial weights and batch of the golden selection's kinds (matrix/models/initial_weights.py)",
     )
     initial.add_argument("--dir", type=Path, default=None, help="default: matrix/golden/initial")
     initial.add_argument("--force", action="store_true", help="write a kind's file that exists already")
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return replay_cell(args.cell, args.variant, args.cuda_device)
 
     if args.command == "repro":
-        from matrix.repro import ReproError, generate
+        from matrix.releases.repro import ReproError, generate
 
         try:
             script = generate(args.cell, args.run, args.variant, world=args.world_size)
@@ -270,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "releases":
         return publish_releases(args)
 
-    from matrix.bisect import NOTHING_RAN_STATUS, BisectError, NothingRan
-    from matrix.bisect import bisect as run_bisect
+    from matrix.releases.bisection import NOTHING_RAN_STATUS, BisectError, NothingRan
+    from matrix.releases.bisection import bisect as run_bisect
 
     try:
         from matrix.results.run_directory import reports_root
@@ -295,10 +296,10 @@ def entry_releases(args) -> int:
 
 
 def sweep_releases(args, selection: list[str]) -> int:
-    from matrix.bisect import NOTHING_RAN_STATUS, BisectError
+    from matrix.releases.bisection import NOTHING_RAN_STATUS, BisectError
+    from matrix.releases.sweep import chosen_versions, sweep
     from matrix.results.run_directory import reports_root
     from matrix.results.sweep_table import nothing_ran
-    from matrix.sweep import chosen_versions, sweep
 
     try:
         versions = chosen_versions(args.versions) if args.versions else None
@@ -328,10 +329,10 @@ def sweep_releases(args, selection: list[str]) -> int:
 def publish_releases(args) -> int:
     import json
 
-    from matrix.bisect import BisectError
+    from matrix.releases.bisection import BisectError
+    from matrix.releases.sweep import chosen_versions, published_sweeps, sweep
     from matrix.results.run_directory import reports_root
     from matrix.results.sweep_table import releases_page
-    from matrix.sweep import chosen_versions, published_sweeps, sweep
 
     documents = []
     try:
@@ -356,7 +357,7 @@ def publish_releases(args) -> int:
         return 2
     args.output.write_text(releases_page(documents, "nox -s releases"))
     print(f"written: {args.output}")
-    from matrix.bisect import NOTHING_RAN_STATUS
+    from matrix.releases.bisection import NOTHING_RAN_STATUS
     from matrix.results.sweep_table import nothing_ran
 
     empty = [f"{d['package']} {e['version']}" for d in documents for e in nothing_ran(d)]
@@ -397,7 +398,7 @@ def diff_runs(args) -> int:
     fraction = compare.DRIFT_FRACTION if args.drift_threshold is None else args.drift_threshold
     result = compare.diff(old, new, old_source=str(old_file), new_source=str(new_file), drift_fraction=fraction)
     if args.bisect_budget is not None and result.changes["new"] and result.packages:
-        from matrix.release_bisect import bisect_new_failures
+        from matrix.releases.new_failures import bisect_new_failures
         from matrix.results.run_directory import reports_root
 
         stack = args.bisect_stack or result.new_run.get("stack") or "default"
@@ -412,7 +413,7 @@ def diff_runs(args) -> int:
             log=lambda line: print(line, file=sys.stderr),
         )
     if args.bisect_budget is not None and result.changes["curve-moved"] and result.packages:
-        from matrix.release_bisect import bisect_moved_curves
+        from matrix.releases.new_failures import bisect_moved_curves
         from matrix.results.run_directory import reports_root
 
         stack = args.bisect_stack or result.new_run.get("stack") or "default"
@@ -438,7 +439,7 @@ def diff_runs(args) -> int:
 
 def triage_run(args) -> int:
     """0: triaged (whatever the classifications), 2: bad input, 4: no new signature to triage."""
-    from matrix import triage
+    from matrix.releases import triage
     from matrix.results.files import ResultsError, load
 
     def refuse(message: str) -> int:
@@ -503,7 +504,7 @@ def compatibility_table(run: Path, output: Path | None) -> int:
 
 def merge_runs(args) -> int:
     from matrix.results.files import ResultsError
-    from matrix.results.merge import MergeError, merge, write_merged
+    from matrix.shards.merge import MergeError, merge, write_merged
 
     if args.output.exists():
         print(
@@ -536,10 +537,10 @@ def replay_cell(cell_id: str, variant_json: str | None, cuda_index: int) -> int:
     message and its whole traceback), 2 on bad input."""
     import tempfile
 
-    from matrix.execute import run_cell
+    from matrix.execute.cell_run import run_cell
+    from matrix.grid.variants import InvalidVariant, from_json
     from matrix.models import MODELS
-    from matrix.selection import cell_from_id
-    from matrix.variants import InvalidVariant, from_json
+    from matrix.selection.cells import cell_from_id
 
     cell = cell_from_id(cell_id)
     if cell is None:
@@ -569,7 +570,7 @@ def golden_curves(args, extra: list[str]) -> int:
     compared with (or written as) the golden curves; curves write RUN: its curves as golden."""
     import os
 
-    from matrix import curves
+    from matrix.results import curves
 
     if args.curves_command == "run":
         import subprocess
@@ -600,8 +601,7 @@ def golden_curves(args, extra: list[str]) -> int:
     if args.curves_command == "initial":
         import tempfile
 
-        from matrix import initial_weights
-        from matrix.models import MODELS
+        from matrix.models import MODELS, initial_weights
 
         directory = args.dir or curves.INITIAL_WEIGHTS_DIR
         kinds = curves.GOLDEN_SELECTION[curves.GOLDEN_SELECTION.index("--model") + 1].split(",")

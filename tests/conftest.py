@@ -27,7 +27,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_configure(config):
     """The harness's tests run cells in process on xdist workers: they share the cores as the
     matrix's own workers do (the plugin does this only where a matrix test is collected)."""
-    from matrix.plugin import share_the_cores
+    from matrix.plugin.session import share_the_cores
 
     share_the_cores(config)
 
@@ -38,9 +38,9 @@ def fresh_reference_curves():
     the stack (an optimizer that skips steps) must not leave its references to the next test in the
     worker. The matrix's own runs patch nothing, so they keep them for the process."""
     yield
-    measurements = sys.modules.get("matrix.measurements")
-    if measurements is not None:
-        measurements._REFERENCE_CURVES.clear()
+    reference_curves = sys.modules.get("matrix.harness.reference_curves")
+    if reference_curves is not None:
+        reference_curves._REFERENCE_CURVES.clear()
 
 
 def python_path(*first: Path) -> str:
@@ -99,7 +99,7 @@ def forgetful_training(matrix_cpu, tmp_path):
     """forgetful_training(engines): the training cells of tests/plugins/forgetful_optimizer.py (a
     stack whose optimizers load no state from a checkpoint) on `engines`, checked: each fails in
     resumed_step with the optimizer state compared, and its resumed step differs from the
-    uninterrupted one as well (matrix/resume.py)."""
+    uninterrupted one as well (matrix/harness/resume.py)."""
 
     def run(engines) -> dict:
         models = "forgetful-gpt2,forgetful-llama"

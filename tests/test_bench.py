@@ -1,4 +1,4 @@
-"""python -m matrix.bench: a real (small) measurement, its failures, and the figures, targets
+"""python -m matrix.tools.bench: a real (small) measurement, its failures, and the figures, targets
 and report from hand-made measurements."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import python_path
-from matrix import bench
+from matrix.tools import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_CELLS = ("--model", "tiny-transformer", "--precision", "fp32", "--engine", "torch", "--device", "cpu")
@@ -19,7 +19,7 @@ TWO_CELLS = ("--model", "tiny-transformer", "--precision", "fp32", "--engine", "
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_ADDOPTS", "PYTEST_XDIST"))}
     env["PYTHONPATH"] = python_path()
-    command = [sys.executable, "-m", "matrix.bench", *args]
+    command = [sys.executable, "-m", "matrix.tools.bench", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -38,7 +38,13 @@ def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
     # the floor imports what the run imported: torch and the matrix, none of the libraries that
     # only other models and engines need
     assert floor["modules_from_runs"] is True
-    assert floor["modules"] == ["torch", "matrix.plugin", "matrix.pipeline", "matrix.engines", "matrix.models"]
+    assert floor["modules"] == [
+        "torch",
+        "matrix.plugin",
+        "matrix.harness.pipeline",
+        "matrix.engines",
+        "matrix.models",
+    ]
     assert floor["import_walls_s"] == [floor["import_s"]] and floor["import_s"] > 0
     assert 0 < floor["compute_s"] < wall  # the cells' own time is part of the run's wall
     assert floor["floor_s"] == pytest.approx(floor["import_s"] + floor["compute_s"])
@@ -94,7 +100,7 @@ def test_a_broken_run_exits_2_with_one_line(args, expected):
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-    assert done.stderr.startswith(f"python -m matrix.bench: {expected}"), done.stderr
+    assert done.stderr.startswith(f"python -m matrix.tools.bench: {expected}"), done.stderr
 
 
 TARGET_LT = bench.Target("matrix_wall_s", "wall", "<", 30.0, "s")
@@ -199,7 +205,7 @@ def test_the_markdown_report_shows_every_figure():
         "| torch-engine CPU matrix wall (median) | < 30.0 s | 21.0 s | ✅ met by 9.0 s (30% under the limit) |",
         "| overhead ratio (matrix wall / floor) | < 1.50 | 1.17 | ✅ met by 0.33 (22% under the limit) |",
         "nox -s bench -- --per-cell-sample 4",
-        "python -m matrix.bench --per-cell-sample 4   # the same, in an environment with the stack",
+        "python -m matrix.tools.bench --per-cell-sample 4   # the same, in an environment with the stack",
     ):
         assert expected in lines, expected
     assert "⚠️" not in text

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import bisect
-from matrix.bisect import BisectError, first_change, parse_index_listing, versions_between
+from matrix.releases import bisection as bisect
+from matrix.releases.bisection import BisectError, first_change, parse_index_listing, versions_between
 
 LISTING = (
     "transformers (5.23.0)\n"
@@ -88,7 +88,7 @@ def test_bad_input_is_one_line_and_exit_status_2():
         text=True,
     )
     assert done.returncode == 2
-    from matrix import stacks
+    from matrix.releases import stacks
 
     known = ", ".join(stacks.load())
     assert known.startswith("default, seed-001-gemma3-hybridcache, liger, seed-002-liger-flce")
@@ -102,7 +102,7 @@ def test_two_bisections_of_one_stack_take_its_scratch_environment_in_turn(tmp_pa
     other's cells: the second waits, saying why, until the first is done."""
     import threading
 
-    from matrix import stacks
+    from matrix.releases import stacks
 
     monkeypatch.setattr(bisect, "SCRATCH", tmp_path)
     stack = stacks.Stack("some-stack", "a stack", ("accelerate==1.13.0",), (), ())
@@ -132,7 +132,7 @@ def test_a_bisection_whose_cell_skips_decides_nothing_and_says_why(tmp_path, mon
 
     import torch
 
-    from matrix import stacks
+    from matrix.releases import stacks
 
     if torch.cuda.is_available():
         pytest.skip("Requires: [no CUDA device] (the cell must skip: it runs here)")

@@ -7,11 +7,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import checks, execute, kind_traits, tolerances
-from matrix.cell import Cell
+from matrix.checks import assertions as checks
+from matrix.checks import tolerances
+from matrix.checks.tolerances import EVAL_LOSS_VS_FP32, Tolerance
+from matrix.execute import cell_run as execute
+from matrix.grid.cell import Cell
+from matrix.harness import kind_traits
 from matrix.models import MODELS
-from matrix.signatures import signature_of
-from matrix.tolerances import EVAL_LOSS_VS_FP32, Tolerance
+from matrix.results.signatures import signature_of
 
 finite = st.floats(min_value=-1e3, max_value=1e3, allow_nan=False)
 

@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_report import ENV, RUN
 
-from matrix.cell import Cell
-from matrix.precisions import table
+from matrix.grid.cell import Cell
+from matrix.precisions.policies import table
 from matrix.results import compare
 from matrix.results.document import results_document
 from matrix.results.records import CellRecord
-from matrix.signatures import Signature
+from matrix.results.signatures import Signature
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,7 +230,7 @@ def older_schema(document: dict, version: int) -> dict:
 def test_older_results_json_without_tracebacks_is_still_read_by_diff_and_merge(tmp_path, capsys):
     from matrix.__main__ import main
     from matrix.results.files import SCHEMA_FILE, load
-    from matrix.results.merge import merge
+    from matrix.shards.merge import merge
 
     (tmp_path / "new.json").write_text(json.dumps(NEW))
     for version in (3, 4):

@@ -10,14 +10,15 @@ import importlib.util
 import pytest
 import torch
 
-from matrix import compiling, float8
-from matrix.catalogue import Entry
-from matrix.cell import Cell
+from matrix.catalogue.entries import Entry
 from matrix.engines import ENGINES
-from matrix.execute import run_cell
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
+from matrix.harness import compiling
 from matrix.models import MODELS
-from matrix.precisions import FLOAT8_COMPUTE, PRECISIONS
-from matrix.selection import parse_selection
+from matrix.precisions import float8
+from matrix.precisions.policies import FLOAT8_COMPUTE, PRECISIONS
+from matrix.selection.cells import parse_selection
 
 needs_torchao = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None,
@@ -177,8 +178,8 @@ def test_the_harness_hooks_give_layers_compiled_in_place_one_graph(tmp_path):
     module fired (an identity) gave each of tiny-llama's two layers a graph of its own, and removing
     a hook after its first eager call made step 2 compile again. With the hooks as they are, the
     layers share one graph and later steps compile nothing, as without the hooks."""
-    from matrix.cell_state import CellState
-    from matrix.measurements import effective_settings, seed_first_training_forward, watch_first_forward
+    from matrix.harness.cell_state import CellState
+    from matrix.harness.measurements import effective_settings, seed_first_training_forward, watch_first_forward
     from matrix.results.metrics import CellMetrics
 
     cell = Cell("tiny-llama", "bf16-mixed", "train", "cpu", "fsdp2-compile")

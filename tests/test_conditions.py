@@ -1,4 +1,4 @@
-"""Catalogue conditions (matrix/conditions.py) and engine traits (matrix/engines/traits.py): an
+"""Catalogue conditions (matrix/catalogue/conditions.py) and engine traits (matrix/engines/traits.py): an
 entry in force only where its mechanism applies. Every condition has a context in which it does
 not hold, and there the entry does not claim the cell; a hardware condition that does not hold
 makes a passing cell "inapplicable", never "fixed"."""
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from matrix import catalogue, conditions
-from matrix.catalogue import Catalogue, Context, classify
-from matrix.cell import Cell
+from matrix.catalogue import conditions
+from matrix.catalogue import entries as catalogue
+from matrix.catalogue.entries import Catalogue, Context, classify
 from matrix.engines import ENGINES
 from matrix.engines.traits import ENGINE_TRAITS
+from matrix.grid.cell import Cell
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = """
@@ -309,7 +310,7 @@ def test_bitsandbytes_detection_is_read_from_the_imported_library_where_it_is_im
 
 
 def test_every_report_records_the_hardware_facts():
-    from matrix.environment import capture
+    from matrix.devices.fingerprint import capture
 
     hardware = capture(0)["hardware"]
     for key in ("cpu_capability", "cpu_avx512_bf16", "cpu_amx_tile", "cpu_vnni", "bitsandbytes_cpu_avx512_bf16"):
@@ -325,7 +326,7 @@ def test_reports_show_an_inapplicable_cell_as_its_own_status(tmp_path):
     fixed nor new, and its entry says which hardware condition does not hold."""
     import jsonschema
 
-    from matrix.precisions import table
+    from matrix.precisions.policies import table
     from matrix.results import compare, html, markdown
     from matrix.results.compatibility import compatibility_markdown
     from matrix.results.document import results_document
@@ -374,11 +375,11 @@ def test_reports_show_an_inapplicable_cell_as_its_own_status(tmp_path):
 
 
 def test_the_probe_counts_a_torch_optimizers_steps_and_is_none_without_one():
-    """matrix/libraries/deepspeed.py steps_taken: what engine_effective.optimizer_steps_at_construction
+    """matrix/engines/libraries/deepspeed.py steps_taken: what engine_effective.optimizer_steps_at_construction
     records; ZeRO-3's inference engine (DeepSpeedZeRoOffload) holds no optimizer state at all."""
     import torch
 
-    from matrix.libraries.deepspeed import steps_taken
+    from matrix.engines.libraries.deepspeed import steps_taken
 
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.AdamW([weight])
@@ -422,7 +423,7 @@ def test_every_cell_records_whether_the_legacy_matmul_getter_refused_when_its_ph
     compiles on CUDA), true."""
     import torch
 
-    from matrix.execute import run_cell
+    from matrix.execute.cell_run import run_cell
 
     cell = Cell("tiny-transformer", "fp32", "eval", "cpu", "torch")
     assert run_cell(cell, tmp_path / "agree").metrics.effective.legacy_matmul_getter_refused is False

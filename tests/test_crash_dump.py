@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix.cell import Cell
+from matrix.grid.cell import Cell
 from matrix.results import crash_dump, records
 
 # A real faulthandler dump: a crash 150 calls deep, with four other threads alive.

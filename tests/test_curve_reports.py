@@ -1,15 +1,15 @@
 """A training cell's loss curve in the reports: drawn in its index.html panel (an inline SVG and its
 lines), and summary.md's "Loss curves: the worst deviations" table. The cells are plain dicts
-shaped like results.json's, their comparisons made by matrix/curves.py as a run makes them."""
+shaped like results.json's, their comparisons made by matrix/results/curves.py as a run makes them."""
 
 import math
 from html.parser import HTMLParser
 
 from test_report import ENV, RUN  # the run header and environment every report test uses
 
-from matrix.cell import Cell
-from matrix.curves import FP32_TWIN, TORCH_ENGINE, CurveTolerance, compare
-from matrix.precisions import table
+from matrix.grid.cell import Cell
+from matrix.precisions.policies import table
+from matrix.results.curves import FP32_TWIN, TORCH_ENGINE, CurveTolerance, compare
 from matrix.results.document import results_document
 from matrix.results.html import curve_figure, curve_svg, html_report
 from matrix.results.markdown import CURVE_ROWS, curves_markdown, summary_markdown

@@ -1,6 +1,6 @@
 """A loss handed over in a half dtype is rounded before anyone compares it (accelerate's FSDP2 on
 a GPU returns its bf16 autocast loss as bf16: 4.59375 where the torch engine's fp32 loss is
-4.57904, run F of docs/gpu-runs/h100-2026-11-27-issue47). matrix/curves.py adds half a step of
+4.57904, run F of docs/gpu-runs/h100-2026-11-27-issue47). matrix/results/curves.py adds half a step of
 that dtype (at the larger of the two losses) to the row, so the row keeps judging the arithmetic:
 a curve within its row stays within it once rounded, and a curve that leaves the row by more than
 the rounding still fails."""
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix.curves import CurveTolerance, compare, half_step, reported_in
+from matrix.results.curves import CurveTolerance, compare, half_step, reported_in
 
 ROW = CurveTolerance(0.014, 0.0, 0.014, "casts-parameters bfloat16")
 TORCH_ENGINE = [4.579038143157959, 4.136407375335693, 3.8828887939453125]  # fp32 losses, run F

@@ -10,9 +10,8 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix import curves
-from matrix.bisect import CurveJudge
-from matrix.results import SCHEMA_VERSION, compare
+from matrix.releases.bisection import CurveJudge
+from matrix.results import SCHEMA_VERSION, compare, curves
 from matrix.results.files import check
 from matrix.results.sweep_table import brief_cell, curve_moves, sweep_markdown
 

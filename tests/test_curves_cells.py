@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from matrix import initial_weights, schedule
-from matrix.cell import Cell
-from matrix.execute import run_cell
-from matrix.models import MODELS
+from matrix.execute.cell_run import run_cell
+from matrix.grid import schedule
+from matrix.grid.cell import Cell
+from matrix.models import MODELS, initial_weights
 
 
 def _run(tmp_path, model: str, precision: str, engine: str):
@@ -111,8 +111,7 @@ def test_a_run_on_the_stack_of_the_golden_curves_matches_them(tmp_path):
     from importlib.metadata import version
 
     from conftest import run_matrix_cpu
-    from matrix import curves
-    from matrix.results import compare
+    from matrix.results import compare, curves
 
     golden = json.loads(curves.golden_path("default").read_text())
     recorded = {
@@ -147,11 +146,12 @@ def test_a_run_on_the_stack_of_the_golden_curves_matches_them(tmp_path):
 
 def test_a_cell_is_judged_by_its_engine_familys_row_and_records_which_and_how_much_of_it_it_used(tmp_path):
     """Issue 47: the rows are derived per engine family from the measured spread of right engines
-    (matrix/curve_spread.json); a right library's curve uses at most half of its row, and the record
+    (matrix/checks/curve_spread.json); a right library's curve uses at most half of its row, and the record
     names the row, so a report can say "45% of the master-weights bfloat16 row"."""
-    from matrix import curves, tolerances
+    from matrix.checks import tolerances
     from matrix.engines import ENGINES
     from matrix.engines.traits import curve_family
+    from matrix.results import curves
 
     result = _run(tmp_path, "tiny-llama", "fp16-mixed", "lightning")  # Lightning computes 16-mixed in bf16 on a CPU
     assert result.outcome == "passed", result.message

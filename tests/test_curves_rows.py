@@ -2,7 +2,7 @@
 CURVE_SAFETY times the largest deviation its family's right engines measured, so it accepts them
 with that margin, and a gradient never zeroed (DeepSpeed 0.18.3-0.18.5's ZeRO-0 in bf16) leaves the
 default 3-step curve at the step it shows; the engines' families; the measurement itself
-(matrix/curve_spread.py) leaves out the engines a curve entry of the catalogue claims."""
+(matrix/tools/curve_spread.py) leaves out the engines a curve entry of the catalogue claims."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 
-from matrix import curves, schedule, tolerances
-from matrix.curve_spread import document_of
+from matrix.checks import tolerances
 from matrix.engines import ENGINES
 from matrix.engines.traits import CURVE_FAMILY_BY_TRAIT, ENGINE_TRAITS, curve_family
-from matrix.precisions import PRECISIONS
+from matrix.grid import schedule
+from matrix.precisions.policies import PRECISIONS
+from matrix.results import curves
+from matrix.tools.curve_spread import document_of
 
 # tiny-llama bf16-mixed: the torch engine's curve and DeepSpeed ZeRO-0's on 0.18.5, as the matrix
 # recorded them (torch 2.13.0 CPU, two gloo ranks, the default 3 steps; deepspeed==0.18.5 installed
@@ -27,7 +29,7 @@ ZERO0_0_18_5_CURVE = [4.578643997510274, 4.154198169708252, 3.909575581550598]
 
 def test_the_rows_are_derived_from_the_measured_spread_with_the_safety_factor():
     spread = tolerances.load_curve_spread()
-    assert spread, "matrix/curve_spread.json holds no measurement"
+    assert spread, "matrix/checks/curve_spread.json holds no measurement"
     for key, measured in spread.items():
         row = tolerances.CURVE_ROWS[key]
         # one number k, in the shape every row has
@@ -144,7 +146,7 @@ def test_the_measurement_keeps_each_familys_largest_and_leaves_out_new_failures_
             _cell("deepspeed-zero0", [0.0, 0.011, 0.002], probe=1),
         ],
     )
-    document = document_of([run], None, "python -m matrix.curve_spread r1")
+    document = document_of([run], None, "python -m matrix.tools.curve_spread r1")
     spread = {(e["reference"], e["family"], e["row"]): e for e in document["spread"]}
     torch_family = spread[curves.TORCH_ENGINE, "torch", "bfloat16"]
     assert torch_family["comparisons"] == 1 and torch_family["worst"]["step"] == 3
@@ -161,7 +163,7 @@ def test_the_measurement_keeps_each_familys_largest_and_leaves_out_new_failures_
 def test_a_row_the_runs_do_not_measure_keeps_what_the_file_held():
     previous = json.loads(tolerances.CURVE_SPREAD_FILE.read_text())
     document = document_of(
-        [_run("r2", [_cell("ddp", [0.0, 0.001, 0.002])])], previous, "python -m matrix.curve_spread r2"
+        [_run("r2", [_cell("ddp", [0.0, 0.001, 0.002])])], previous, "python -m matrix.tools.curve_spread r2"
     )
     rows = {(e["reference"], e["family"], e["row"]) for e in document["spread"]}
     assert {(e["reference"], e["family"], e["row"]) for e in previous["spread"]} <= rows
@@ -207,7 +209,7 @@ def test_a_kind_the_spread_never_measured_is_judged_by_the_rows_written_before_i
     architectures part further (issue 47: hf:mbart's bf16-true curve under its own torch loop left
     the derived fp32-twin row 4.6 times over), so a kind it did not measure takes the earlier rows,
     named so in the report, and a measured kind keeps its derived, tighter row."""
-    from matrix.tolerances import MEASURED_KINDS, UNMEASURED_KIND_ROWS, curve_vs_fp32_twin, curve_vs_torch_engine
+    from matrix.checks.tolerances import MEASURED_KINDS, UNMEASURED_KIND_ROWS, curve_vs_fp32_twin, curve_vs_torch_engine
 
     assert {"tiny-llama", "lora", "tiny-transformer", "gemma-cache"} <= MEASURED_KINDS
     assert "hf:mbart" not in MEASURED_KINDS

@@ -11,8 +11,8 @@ import pytest
 
 from matrix.devices import DEVICES
 from matrix.engines import ENGINES, deepspeed_zero
-from matrix.libraries import deepspeed as ds
-from matrix.precisions import PRECISIONS
+from matrix.engines.libraries import deepspeed as ds
+from matrix.precisions.policies import PRECISIONS
 
 STAGES = deepspeed_zero.STAGES
 ENGINE_NAMES = tuple(f"deepspeed-zero{stage}" for stage in STAGES)
@@ -50,7 +50,7 @@ def test_accumulated_fp32_gradients_are_not_wired_in():
 
 
 def test_without_deepspeed_every_cell_skips_naming_it(monkeypatch):
-    find_spec = importlib.util.find_spec  # deepspeed made absent where it is installed (matrix/packages.py looks)
+    find_spec = importlib.util.find_spec  # deepspeed made absent where it is installed (matrix/grid/packages.py looks)
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
@@ -257,7 +257,7 @@ def test_deepspeeds_op_is_built_once_outside_the_cells_in_the_runs_directory_a_s
     import jsonschema
 
     from conftest import run_matrix_cpu
-    from matrix import extension_builds
+    from matrix.engines.libraries import extension_builds
 
     owned = extension_builds.owned_directory()
     assert owned.name == f"torch-{extension_builds._version('torch')}-deepspeed-{ds.installed_version()}"
@@ -295,7 +295,7 @@ def test_a_rank_meets_a_stale_build_lock_as_a_named_failure_before_it_waits(tmp_
 
     import torch
 
-    from matrix import extension_builds
+    from matrix.engines.libraries import extension_builds
 
     left_by_a_killed_build(tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -311,7 +311,7 @@ def test_a_build_that_runs_out_of_its_budget_is_killed_its_lock_taken_back_and_i
     here), and the engine's cells in this process fail at once with ExtensionBuildTimedOut. The
     compiler torch's extension builder runs (CXX) hangs on every compile, so the build is still
     compiling when its budget runs out however fast this machine compiles."""
-    from matrix import extension_builds
+    from matrix.engines.libraries import extension_builds
 
     hanging = tmp_path / "hanging-c++"
     hanging.write_text('#!/bin/sh\ncase " $* " in *" -c "*) sleep 600 ;; esac\nexec c++ "$@"\n')

@@ -1,4 +1,4 @@
-"""The probe of catalogue condition optimizer-stepped-at-construction (matrix/conditions.py) on real
+"""The probe of catalogue condition optimizer-stepped-at-construction (matrix/catalogue/conditions.py) on real
 DeepSpeed cells: AdamW's step count right after deepspeed.initialize. ZeRO-0's bf16 and fp16
 optimizer wrappers step it once on zero gradients, ZeRO-1's does not; the entry
 deepspeed-zero0-bf16-adamw-stepped-at-construction claims a failing cell only where the probe says
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from matrix.libraries import deepspeed as ds
+from matrix.engines.libraries import deepspeed as ds
 
 ENTRY = "deepspeed-zero0-bf16-adamw-stepped-at-construction"
 needs_deepspeed = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The distributed engines' process group (matrix/rank_pool.py, matrix/rank_worker.py) and the
+"""The distributed engines' process group (matrix/execute/rank_pool.py, matrix/execute/rank_worker.py) and the
 ddp/fsdp2 cells on it: real gloo ranks on this machine, no mocks.
 
 A rank that raises, dies or hangs fails the call with what happened on which rank, never hangs
@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import python_path
-from matrix import rank_pool
-from matrix.cell import Cell
-from matrix.execute import run_cell
+from matrix.execute import rank_pool, run_cell
+from matrix.grid.cell import Cell
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -123,8 +122,8 @@ def test_a_cell_failing_in_a_rank_records_the_ranks_own_traceback(tmp_path):
     """ddp registers bf16_compress_hook in each rank, and torch refuses it without NCCL (the
     catalogue's ddp-bf16-compress-hook-needs-nccl): the record's traceback is the driver's,
     then the rank's own down to where torch raised."""
-    from matrix.catalogue import Catalogue
-    from matrix.execute import run_and_record
+    from matrix.catalogue.entries import Catalogue
+    from matrix.execute.cell_run import run_and_record
 
     cell = Cell("tiny-transformer", "bf16-mixed-bf16-reduce", "eval", "cpu", "ddp")
     done = run_and_record(cell, tmp_path, Catalogue(), {}, timeout_s=120)  # no entry: the failure as it is
@@ -161,7 +160,7 @@ def test_each_precision_maps_onto_the_distributed_libraries_own_settings(precisi
     """fsdp2: (param_dtype, reduce_dtype, autocast) of MixedPrecisionPolicy and the cell; ddp: its
     reduce dtype and the communication hook that gives it."""
     from matrix.engines import ENGINES
-    from matrix.precisions import PRECISIONS
+    from matrix.precisions.policies import PRECISIONS
 
     settings = ENGINES["fsdp2"].settings(PRECISIONS[precision])
     assert (settings["param_dtype"], settings["reduce_dtype"], settings.get("autocast")) == fsdp2
@@ -226,7 +225,7 @@ def test_cuda_cells_need_one_gpu_per_rank(visible, world, reason, monkeypatch):
 
 def test_the_distributed_engines_refuse_accumulation_by_name():
     from matrix.engines import ENGINES
-    from matrix.precisions import PRECISIONS
+    from matrix.precisions.policies import PRECISIONS
 
     for engine in ("ddp", "fsdp2", "accelerate-fsdp2"):
         assert ENGINES[engine].unsupported_reason(PRECISIONS["bf16-loaded-mixed-fp32-grads"]) == (
@@ -265,7 +264,7 @@ def test_the_distributed_engines_refuse_accumulation_by_name():
 )
 def test_accelerate_fsdp2_states_each_precision_as_an_accelerate_switch_and_fsdp_policy(precision, expected):
     from matrix.engines import ENGINES
-    from matrix.precisions import PRECISIONS
+    from matrix.precisions.policies import PRECISIONS
 
     assert ENGINES["accelerate-fsdp2"].settings(PRECISIONS[precision]) == expected
 
@@ -295,7 +294,7 @@ def test_a_no_op_upcast_breaks_accelerates_declared_master_weights():
     under mixed precision. The engine's declared-dtype check names it; fp32 ones pass."""
     import torch
 
-    from matrix.checks import DtypeContractBroken
+    from matrix.checks.assertions import DtypeContractBroken
     from matrix.engines.accelerate_fsdp2 import check_fp32_master_weights
 
     model = torch.nn.Linear(2, 2).to(torch.bfloat16)
@@ -316,7 +315,7 @@ def test_an_optimizer_state_lost_or_changed_across_a_reload_is_named():
 
     import torch
 
-    from matrix import checks
+    from matrix.checks import assertions as checks
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -337,13 +336,13 @@ def test_an_optimizer_state_lost_or_changed_across_a_reload_is_named():
 
 @pytest.mark.parametrize(("backend", "expected"), [("nccl", "cuda:3"), ("gloo", "cpu")])
 def test_collectives_put_their_tensor_where_the_backend_reduces(backend, expected, monkeypatch):
-    """The rank-agreement collectives (matrix/group.py) on nccl need a CUDA tensor: a CPU one
+    """The rank-agreement collectives (matrix/harness/group.py) on nccl need a CUDA tensor: a CPU one
     raised "No backend type associated with device type cpu" in 420 one-rank cells of the
     first GPU run (docs/gpu-runs/h100-2026-11-22). The backend is simulated; the device chosen is real."""
     import torch
     import torch.distributed as dist
 
-    from matrix import group
+    from matrix.harness import group
 
     monkeypatch.setattr(dist, "get_backend", lambda *args: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

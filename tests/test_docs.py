@@ -327,7 +327,7 @@ def test_every_nox_session_named_exists(page):
     assert not unknown, (
         f"{rel(page)}: names nox sessions noxfile.py does not define: {', '.join(unknown)} "
         f"(sessions: {', '.join(sorted(s for s in sessions if '(' not in s))}, and stack(name='X') for X in "
-        "matrix/stacks.toml)"
+        "matrix/releases/stacks.toml)"
     )
 
 
@@ -400,8 +400,8 @@ def test_unknown_sessions_subcommands_and_modules_are_found():
     assert "no-such-session" not in nox_sessions()
     assert {"run", "diff", "merge", "bisect"} <= matrix_subcommands() and "frobnicate" not in matrix_subcommands()
     assert matrix_commands("python -m matrix run cases -n auto") == [("matrix", "run")]
-    assert matrix_commands("python -m matrix.bench --write") == [("matrix.bench", "--write")]
-    assert module_exists("matrix.bench") and not module_exists("matrix.no_such_module")
+    assert matrix_commands("python -m matrix.tools.bench --write") == [("matrix.tools.bench", "--write")]
+    assert module_exists("matrix.tools.bench") and not module_exists("matrix.no_such_module")
 
 
 def test_a_flag_no_command_takes_is_found():

@@ -219,8 +219,8 @@ def test_a_steps_loss_tensor_is_its_float_and_anything_else_is_named():
 def test_a_record_json_cannot_hold_fails_its_cell_and_keeps_its_traceback(tmp_path):
     import torch
 
-    from matrix.recording import recordable_entry
     from matrix.results import journal
+    from matrix.results.recording import recordable_entry
 
     entry = {
         "id": "c",

@@ -10,15 +10,15 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from matrix import cell_state
-from matrix.cell import Cell
-from matrix.cell_state import CellState
 from matrix.engines import ENGINES
-from matrix.execute import run_cell
-from matrix.libraries.trainer import trainer_classes
-from matrix.measurements import FULL_COLLECTION_EVERY, settle_garbage
+from matrix.engines.libraries.trainer import trainer_classes
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
+from matrix.harness import cell_state
+from matrix.harness.cell_state import CellState
+from matrix.harness.garbage import FULL_COLLECTION_EVERY, settle_garbage
 from matrix.models import MODELS
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 
 LIGHTNING_PRECISIONS = {"32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true"}
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from matrix.catalogue import load
+from matrix.catalogue.entries import load
 from matrix.entry_releases import (
     PAGE,
     VERDICTS,

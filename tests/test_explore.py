@@ -12,15 +12,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from matrix import catalogue, environment
-from matrix.cell import Cell
+from matrix.catalogue import entries as catalogue
+from matrix.devices import fingerprint as environment
 from matrix.engines import ENGINES
-from matrix.execute import run_cell
-from matrix.explore import Budget, Search, explore, simplify, why_needed
+from matrix.execute.cell_run import run_cell
+from matrix.explore.exploration import Budget, Search, explore, simplify, why_needed
+from matrix.explore.strategies import base_variant, explored_fields, variants
+from matrix.grid.cell import Cell
+from matrix.grid.variants import Variant, from_json, to_json
 from matrix.models import MODELS
 from matrix.results.files import SCHEMA_FILE
-from matrix.strategies import base_variant, explored_fields, variants
-from matrix.variants import Variant, from_json, to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a test about skipped cuda cells makes them skip, GPU or not
@@ -189,8 +190,8 @@ def test_explorations_are_collected_only_with_explore(run_pytest):
     targets = [line for line in asked.stdout.splitlines() if "test_explore[" in line]
     # every precision but the fp32 reference and the self-contradictory one, 2 modes, every engine
     # a default selection runs (the compiled twins run only where named)
-    from matrix.precisions import PRECISIONS
-    from matrix.selection import parse_selection
+    from matrix.precisions.policies import PRECISIONS
+    from matrix.selection.cells import parse_selection
 
     assert len(targets) == (len(PRECISIONS) - 2) * 2 * len(parse_selection("engine", None))
     assert not any("-fp32-" in t or "fp32-grads" in t for t in targets)

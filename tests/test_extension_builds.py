@@ -1,4 +1,4 @@
-"""Ops a library compiles on first use (matrix/extension_builds.py): the directory the run owns,
+"""Ops a library compiles on first use (matrix/engines/libraries/extension_builds.py): the directory the run owns,
 keyed by the releases, and a build lock a killed build left, told from a live build's by whether a
 process holds it, with torch's own FileBaton (what DeepSpeed's builder waits on) in real processes."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from matrix import cell_environment, extension_builds
+from matrix.engines.libraries import extension_builds
+from matrix.execute import environment_variables as cell_environment
 
 # torch's FileBaton, as torch.utils.cpp_extension's _jit_compile takes it: created, held open while
 # the build runs (here: until killed), removed after

@@ -1,4 +1,4 @@
-"""Hermetic cells (matrix/global_state.py): a cell that changes process-global state is named for
+"""Hermetic cells (matrix/harness/global_state.py): a cell that changes process-global state is named for
 it, setting by setting with the phase that did it, the state is put back before the next cell,
 and the cells keep the verdicts they have alone whatever order they run in (--order-seed).
 """
@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_compare import cell, document
 
-from matrix import global_state
-from matrix.plugin import in_seeded_order
+from matrix.harness import global_state
+from matrix.plugin.parametrize import in_seeded_order
 from matrix.results import compare
 from matrix.results.html import html_report
 from matrix.results.markdown import summary_markdown
@@ -166,7 +166,7 @@ def test_a_config_entry_is_attributed_to_the_phase_that_set_it(watched_process):
 
 
 def test_the_order_seed_is_a_whole_number():
-    from matrix import options
+    from matrix.plugin import options
 
     assert options.checked("matrix_order_seed", "12") == 12
     with pytest.raises(options.OptionError, match="--order-seed: 'night' is not a whole number"):

@@ -1,6 +1,6 @@
 """hf:<model_type> and hf:<path> kinds (matrix/models/hf_architecture.py): made on demand from a
 name, run like any kind, and held to what their architecture declares (_keep_in_fp32_modules,
-matrix/declared_dtypes.py), with a user's model kind written the usual way as the counter-case.
+matrix/models/declared_dtypes.py), with a user's model kind written the usual way as the counter-case.
 The architecture sweep's CI slice runs here too."""
 
 import json
@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from matrix import checks, declared_dtypes
-from matrix.cell import Cell, SelectionError
-from matrix.execute import run_cell
-from matrix.models import MODELS, ModelKind
+from matrix.checks import assertions as checks
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell, SelectionError
+from matrix.models import MODELS, ModelKind, declared_dtypes
 from matrix.models.base import EvalOutput
 from matrix.models.hf_architecture import HfArchitecture
 from matrix.models.hf_shrink import causal_lm_types
-from matrix.observation import observe
-from matrix.precisions import PRECISIONS
-from matrix.selection import axis_values, cell_from_id, parse_selection
+from matrix.models.observation import observe
+from matrix.precisions.policies import PRECISIONS
+from matrix.selection.cells import axis_values, cell_from_id, parse_selection
 
 ROOT = Path(__file__).resolve().parent.parent
 # The CI slice of the architecture sweep (nox -s architectures runs all of them): a dense GQA
@@ -243,7 +243,7 @@ def test_a_checkpoint_is_read_back_as_users_read_it_with_the_auto_class(tmp_path
 
 
 def test_bf16_stalls_count_only_the_weights_held_in_the_precision():
-    from matrix.kind_traits import bf16_stalled_tensors
+    from matrix.harness.kind_traits import bf16_stalled_tensors
 
     assert bf16_stalled_tensors(MODELS["lora"], 1e-4) == ()  # peft keeps its adapters in fp32
     stalled = bf16_stalled_tensors(MODELS["tiny-llama"], 1e-4)  # norm weights at 1.0: a 1e-4 step rounds away

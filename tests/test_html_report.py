@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix.cell import Cell
-from matrix.precisions import table
+from matrix.grid.cell import Cell
+from matrix.precisions.policies import table
 from matrix.results import records as record_builders
 from matrix.results.document import results_document
 from matrix.results.files import SCHEMA_FILE
 from matrix.results.html import html_report
 from matrix.results.journal import json_safe
 from matrix.results.records import CellRecord
-from matrix.signatures import Signature
+from matrix.results.signatures import Signature
 
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 RUN = {
@@ -268,7 +268,7 @@ def test_every_cell_in_a_grid_has_a_details_panel_with_signature_entry_metrics_a
     harness = folded.find("details", **{"class": "harness"})
     assert (
         harness.child("summary").text()
-        == "... 1 frame of the harness folded (matrix/checks.py, line 40, in check_finite)"
+        == "... 1 frame of the harness folded (matrix/checks/assertions.py, line 40, in check_finite)"
     )
     pieces = [c.child("pre") if c.tag == "details" else c for c in folded.children if isinstance(c, Node)][1:]
     assert "\n".join(piece.text() for piece in pieces) + "\n" == NEW_TRACEBACK

@@ -1,4 +1,4 @@
-"""The package's import graph (matrix/import_graph.py): no import circles, and the results
+"""The package's import graph (matrix/tools/import_graph.py): no import circles, and the results
 layer reaches no torch, statically and when imported with torch blocked."""
 
 import json
@@ -7,16 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from matrix import import_graph
+from matrix.tools import import_graph
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS_LAYER = (
-    "matrix.results",
-    "matrix.cell",
-    "matrix.shards",
-    "matrix.packages",
-    "matrix.recording",
-)
+RESULTS_LAYER = ("matrix.grid", "matrix.results", "matrix.shards.plan")  # the folders that never reach torch
 STACK = {
     "torch",
     "transformers",
@@ -58,7 +52,7 @@ def test_a_lazy_import_inside_a_function_counts(tmp_path, monkeypatch):
 def test_the_results_layer_reaches_no_torch_in_its_source():
     edges, external = import_graph.graph()
     layer = [m for m in edges if any(m == p or m.startswith(p + ".") for p in RESULTS_LAYER)]
-    assert "matrix.results.compare" in layer and "matrix.results.merge" in layer
+    assert "matrix.results.compare" in layer and "matrix.shards.merge" in layer
     for module in layer:
         reached = import_graph.reachable(edges, module)
         stack = {(m, package) for m in reached for package in external[m] & STACK}
@@ -78,12 +72,12 @@ BLOCKED_TORCH = textwrap.dedent(
     sys.meta_path.insert(0, Blocked())
     import matrix.results
     names = [f"matrix.results.{{m.name}}" for m in pkgutil.iter_modules(matrix.results.__path__)]
-    for name in [*names, "matrix.cell", "matrix.shards", "matrix.packages", "matrix.recording"]:
+    for name in [*names, "matrix.grid.cell", "matrix.shards.plan", "matrix.grid.packages", "matrix.results.recording"]:
         importlib.import_module(name)
 
     # the layer at work: a run recorded, written, read back, diffed and merged
-    from matrix.cell import Cell
-    from matrix.recording import RunRecorder
+    from matrix.grid.cell import Cell
+    from matrix.results.recording import RunRecorder
     from matrix.results import compare, files, merge, records
 
     root = Path(tempfile.mkdtemp())
@@ -109,14 +103,14 @@ def test_the_results_layer_imports_and_works_with_torch_blocked():
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["torch"] is False
-    assert "matrix.results.merge" in found["modules"] and "matrix.recording" in found["modules"]
+    assert "matrix.shards.merge" in found["modules"] and "matrix.results.recording" in found["modules"]
     assert found["cells"] == 1 and found["merged"] == 1 and not found["gating"]
 
 
 def test_blocking_torch_really_blocks_it():
     """The blocker is not a no-op: importing the execution side fails under it."""
     script = BLOCKED_TORCH.split("sys.meta_path.insert(0, Blocked())")[0].format(stack=sorted(STACK))
-    script += "sys.meta_path.insert(0, Blocked())\nimport matrix.precisions\n"
+    script += "sys.meta_path.insert(0, Blocked())\nimport matrix.precisions.policies\n"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "blocked: torch" in done.stderr
 
@@ -132,10 +126,11 @@ WITHOUT_PYTEST = textwrap.dedent(
                 raise ImportError(f"blocked: {name}")
 
     sys.meta_path.insert(0, Blocked())
-    from matrix import catalogue, environment
-    from matrix.cell import Cell
-    from matrix.execute import run_and_record
-    from matrix.recording import RunRecorder
+    from matrix.catalogue import entries as catalogue
+    from matrix.devices import fingerprint as environment
+    from matrix.grid.cell import Cell
+    from matrix.execute.cell_run import run_and_record
+    from matrix.results.recording import RunRecorder
 
     root = Path(tempfile.mkdtemp())
     cell = Cell("tiny-llama", "fp16-true", "train", "cpu", "torch")
@@ -169,8 +164,8 @@ import sys
 import matrix.plugin
 loaded_by_the_plugin = sorted(name for name in ("torch", *{libraries!r}) if name in sys.modules)
 import matrix.models, matrix.engines
-from matrix.execute import run_cell
-from matrix.cell import Cell
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
 loaded_first = sorted(name for name in {libraries!r} if name in sys.modules)
 import tempfile, pathlib
 with tempfile.TemporaryDirectory() as workdir:
@@ -227,7 +222,7 @@ PLUGIN_WITHOUT_THE_STACK = textwrap.dedent(
 
 def test_the_plugin_imports_and_adds_its_options_with_the_stack_blocked():
     """What pytest does with the plugin in any session, before a matrix test is collected."""
-    from matrix import options
+    from matrix.plugin import options
 
     script = PLUGIN_WITHOUT_THE_STACK.format(stack=sorted(STACK))
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -235,3 +230,38 @@ def test_the_plugin_imports_and_adds_its_options_with_the_stack_blocked():
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["options"] == [option.flag for option in options.OPTIONS] and "--cell-timeout" in found["options"]
     assert found["environ_untouched"] is True
+
+
+def test_every_import_points_down_the_layers():
+    """The folders are layers (matrix/tools/import_graph.py LAYERS): no module imports a folder above
+    its own, and every module but matrix/__init__.py and __main__.py is in a folder."""
+    edges, _ = import_graph.graph()
+    assert {import_graph.layer_of(m) for m in edges} >= set(import_graph.LAYERS)  # every layer was read
+    assert import_graph.upward_imports(edges) == []
+
+
+def test_the_layer_check_fails_on_an_upward_import(tmp_path, monkeypatch):
+    """A module of the bottom layer importing one of the top (lazily, inside a function), and a module
+    left outside the folders, are each reported, and the command exits 1."""
+    package = tmp_path / "matrix"
+    for folder in ("grid", "tools"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text('"""map"""\n')
+    (package / "__init__.py").write_text('"""map"""\n')
+    (package / "grid" / "cell.py").write_text("def f():\n    from matrix.tools import bench\n")
+    (package / "grid" / "registry.py").write_text("from matrix.grid import cell\n")  # its own folder: fine
+    (package / "tools" / "bench.py").write_text("from matrix.grid import registry\n")  # downward: fine
+    (package / "stray.py").write_text("")
+    monkeypatch.setattr(import_graph, "PACKAGE", package)
+    edges, _ = import_graph.graph()
+    assert import_graph.upward_imports(edges) == [
+        ("matrix.grid.cell", "matrix.tools.bench"),
+        ("matrix.stray", "<no layer>"),
+    ]
+    assert import_graph.main([]) == 1
+
+
+def test_the_real_graph_with_one_upward_import_added_fails():
+    edges, _ = import_graph.graph()
+    edges["matrix.results.records"] = {*edges["matrix.results.records"], "matrix.harness.pipeline"}
+    assert import_graph.upward_imports(edges) == [("matrix.results.records", "matrix.harness.pipeline")]

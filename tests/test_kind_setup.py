@@ -1,5 +1,5 @@
 """A kind's one-time work runs before its first cell, under its own budget, with its own line in
-the report (matrix/kind_setup.py): the first cell's timeout covers only the cell."""
+the report (matrix/harness/kind_setup.py): the first cell's timeout covers only the cell."""
 
 import pytest
 

@@ -1,17 +1,17 @@
-"""A learning rate at which a kind learns is established, not assumed (matrix/learning_rate.py),
+"""A learning rate at which a kind learns is established, not assumed (matrix/harness/learning_rate.py),
 and a precision's loss fall is judged against its fp32 twin's (pipeline.check_training_contract):
 a kind that does not learn in fp32 is one finding on its fp32 cells, not one per precision."""
 
 import pytest
 
-from matrix import kind_traits
-from matrix import learning_rate as lr
-from matrix.cell import Cell
-from matrix.cell_state import CellState
-from matrix.execute import run_cell
+from matrix.checks.tolerances import LOSS_FALL_VS_FP32
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
+from matrix.harness import kind_traits
+from matrix.harness import learning_rate as lr
+from matrix.harness.cell_state import CellState
 from matrix.models import MODELS
 from matrix.models.tiny_llama import TinyLlama
-from matrix.tolerances import LOSS_FALL_VS_FP32
 
 
 @pytest.fixture

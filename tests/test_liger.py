@@ -17,14 +17,15 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from matrix import cell_environment, stacks
-from matrix.cell import Cell
+from matrix.checks.tolerances import eval_loss_tolerance
 from matrix.devices.cuda import triton_interpreted
-from matrix.execute import run_cell
+from matrix.execute import environment_variables as cell_environment
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
 from matrix.models import MODELS
 from matrix.models.liger_llama import REQUIRED, missing_packages
-from matrix.precisions import PRECISIONS
-from matrix.tolerances import eval_loss_tolerance
+from matrix.precisions.policies import PRECISIONS
+from matrix.releases import stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 KIND = MODELS["liger-llama"]
@@ -158,7 +159,7 @@ def test_with_cudas_autocast_query_answered_as_on_a_gpu_the_seed_release_fails(m
 @needs_liger
 @needs_interpreter
 def test_the_standalone_script_runs_liger_with_nothing_of_the_project_importable(tmp_path):
-    from matrix.repro import generate
+    from matrix.releases.repro import generate
 
     script = tmp_path / "repro.py"
     script.write_text(generate("liger-llama-bf16-mixed-train-cpu-torch"))

@@ -10,8 +10,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from matrix import execute
-from matrix.cell import Cell
+from matrix.execute import cell_run as execute
+from matrix.grid.cell import Cell
 from matrix.results.files import SCHEMA_FILE
 from matrix.results.journal import json_safe
 from matrix.results.metrics import (

@@ -140,10 +140,10 @@ SKIP_REASON = """
 import pathlib
 
 import torch
-from matrix.cell import Cell
-from matrix.plugin import skip_reason
+from matrix.grid.cell import Cell
+from matrix.plugin.parametrize import skip_reason
 from matrix.models import MODELS
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 
 skip_reason(Cell("tiny-transformer", "fp32", "train", "cpu", "torch"), 0)  # imports done: only the check is timed
 cpu = torch.device("cpu")
@@ -200,7 +200,7 @@ def test_hf_kinds_without_transformers_say_so_when_asked_for(tmp_path):
         ("transformers",),
         SKIP_REASON
         + """
-from matrix.selection import made_on_demand
+from matrix.selection.cells import made_on_demand
 
 timed("hf:llama", lambda: made_on_demand("hf:llama"))
 skip("gemma-cache")
@@ -317,7 +317,7 @@ timed("lora load", lambda: MODELS["lora"].load(missing, PRECISIONS["fp32"], cpu,
 
 
 def test_each_install_command_names_an_extra_and_a_nox_session_that_exist():
-    from matrix.packages import install_hint
+    from matrix.grid.packages import install_hint
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     noxfile = (ROOT / "noxfile.py").read_text()

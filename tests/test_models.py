@@ -2,10 +2,10 @@
 
 import torch
 
-from matrix.cell import Cell
-from matrix.execute import run_cell
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
 from matrix.models import MODELS
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 
 
 def test_gemma_has_sliding_and_global_layers_and_a_window_the_batch_exceeds():

@@ -264,10 +264,30 @@ def test_package_map_names_every_entry(package):
     assert not problems, "\n".join(problems)
 
 
+def layers() -> tuple[str, ...]:
+    """matrix/tools/import_graph.py LAYERS, read from its source."""
+    tree = ast.parse((PACKAGE / "tools" / "import_graph.py").read_text(encoding="utf-8"))
+    found = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "LAYERS")
+    return ast.literal_eval(found.value)
+
+
 def test_the_packages_have_maps():
-    """The maps checked above are the packages there are: matrix/ and each subpackage."""
+    """The maps checked above are the packages there are: matrix/, one folder per layer, and the two
+    subpackages (an engine library's support, the repro scripts' parts' generator)."""
     names = {rel(p) for p in packages()}
-    assert {"matrix", *(f"matrix/{sub}" for sub in ("engines", "models", "devices", "results", "libraries"))} <= names
+    assert len(layers()) > 10
+    assert names == {
+        "matrix",
+        *(f"matrix/{layer}" for layer in layers()),
+        "matrix/engines/libraries",
+        "matrix/releases/repro",
+    }
+
+
+def test_the_top_level_holds_only_the_package_map_and_the_command():
+    """Every module lives in a layer's folder: at the top only __init__.py (the map) and __main__.py."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py"], top
 
 
 def test_every_engine_file_registers_engines_that_are_read():
@@ -325,3 +345,18 @@ def test_a_module_missing_from_a_map_is_named(tmp_path):
     assert "pkg/__init__.py" in problems[0] and "no entry for two.py" in problems[0]
     assert "pkg/__init__.py" in problems[1] and "names gone.py" in problems[1]
     assert map_entries(module_docstring(package / "__init__.py"))["one.py"] == "the first module over two lines"
+
+
+def test_the_layout_page_names_every_folder_in_layer_order():
+    """docs/layout.md's table of layers is the tree's: every folder, bottom to top, and every module
+    path it names exists."""
+    page = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    named = re.findall(r"^\| `matrix/(\w+)/` \|", page, re.MULTILINE)
+    assert named == list(layers())
+    for path in re.findall(r"`(matrix/[\w/]+(?:\.py|\.toml|\.json|/))`", page):
+        assert (ROOT / path).exists(), f"docs/layout.md names {path}, which is not in the tree"
+    for folder, module in re.findall(r"^\| `matrix/(\w+)/` \|(.*)$", page, re.MULTILINE):
+        for name in re.findall(r"`(\w+\.(?:py|toml|json))`", module):
+            assert (PACKAGE / folder / name).exists() or (PACKAGE / folder / "libraries" / name).exists(), (
+                f"docs/layout.md's row for {folder}/ names {name}, which is not there"
+            )

@@ -1,4 +1,4 @@
-"""What the harness observes on a model kind instead of asking it (matrix/observation.py), held
+"""What the harness observes on a model kind instead of asking it (matrix/models/observation.py), held
 against the built-in kinds (the declarations they used to make) and against kinds written as a
 user writes them: tests/plugins/user_gpt2.py (module dropout, right padding, -100 labels) and a
 decoder whose only dropout is functional (attention_dropout)."""
@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from matrix import observation
-from matrix.models import MODELS
+from matrix.models import MODELS, observation
+from matrix.models.observation import effective_traits, observe
 from matrix.models.tiny_llama import TinyLlama
-from matrix.observation import effective_traits, observe
-from matrix.selection import model_traits
+from matrix.selection.cells import model_traits
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from matrix.engines import ENGINES
-from matrix.measurements import position_deviations
+from matrix.explore.strategies import variants
+from matrix.harness.measurements import position_deviations
 from matrix.models import MODELS
 from matrix.models.causal_lm import IGNORE_INDEX, next_token_targets
-from matrix.precisions import PRECISIONS
-from matrix.strategies import variants
+from matrix.precisions.policies import PRECISIONS
 
 BUILT_IN = ("tiny-transformer", "tiny-llama", "lora", "gemma-cache")
 CPU = torch.device("cpu")

@@ -11,13 +11,13 @@ library device.
 import pytest
 import torch
 
-from matrix import checks
-from matrix.cell import Cell
-from matrix.cell_state import CellState
-from matrix.execute import run_cell
-from matrix.measurements import return_from_library_device
+from matrix.checks import assertions as checks
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
+from matrix.harness.cell_state import CellState
+from matrix.harness.measurements import return_from_library_device
 from matrix.models import MODELS
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 from matrix.results.metrics import CellMetrics
 
 

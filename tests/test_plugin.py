@@ -105,7 +105,7 @@ def test_replay_and_repro_load_the_users_plugin(user_run, tmp_path):
 # a downstream project: what a user's repository holds to run the matrix's cells as its own tests
 PROJECT = {
     "conftest.py": "import user_axes  # noqa: F401  (registers its axis values and catalogue)\n",
-    "test_matrix.py": "from matrix.pytest_cases import test_cell  # noqa: F401\n",
+    "test_matrix.py": "from matrix.plugin.cases import test_cell  # noqa: F401\n",
     # a test of the project's own that takes an argument named `cell`
     "test_other.py": """
         import pytest
@@ -183,7 +183,7 @@ def test_a_project_of_its_own_runs_its_cells_beside_its_own_tests(pytester, monk
     }
 
 
-# the variables the matrix's cells run under (matrix/cell_environment.py), and the stack the
+# the variables the matrix's cells run under (matrix/execute/environment_variables.py), and the stack the
 # plugin must not import where no cell runs
 CELL_VARIABLES = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRITON_INTERPRET")
 STACK = ("torch", "transformers", "peft", "accelerate", "lightning")
@@ -263,7 +263,7 @@ def test_a_cells_variables_are_set_while_it_runs_and_put_back_for_the_tests_afte
     plain = "def test_{}():\n    pass\n"
     files = {
         "test_a_plain.py": plain.format("before"),
-        "test_matrix.py": "from matrix.pytest_cases import test_cell  # noqa: F401\n",
+        "test_matrix.py": "from matrix.plugin.cases import test_cell  # noqa: F401\n",
         "test_z_plain.py": plain.format("after"),
     }
     selection = ("--model", "tiny-transformer", "--precision", "fp32", "--mode", "eval", "--device", "cpu")

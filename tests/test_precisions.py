@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from matrix.cell import Cell
-from matrix.cell_state import CellState
-from matrix.measurements import effective_settings
+from matrix.grid.cell import Cell
+from matrix.harness.cell_state import CellState
+from matrix.harness.measurements import effective_settings
 from matrix.models import MODELS
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 
 EXPECTED = {  # name: (weights, autocast, scaler) -- the definitions
     "fp32": (torch.float32, None, False),
@@ -28,7 +28,7 @@ def test_only_the_simpletuner_policy_contradicts_itself():
 
 
 def test_a_contradiction_fails_in_configure_before_any_step(tmp_path):
-    from matrix.execute import run_cell
+    from matrix.execute.cell_run import run_cell
 
     result = run_cell(Cell("tiny-llama", "bf16-loaded-mixed-fp32-grads", "train", "cpu"), tmp_path)
     assert (result.outcome, result.phase) == ("failed", "configure")
@@ -38,7 +38,7 @@ def test_a_contradiction_fails_in_configure_before_any_step(tmp_path):
 
 
 def test_run_anyway_records_what_torch_raises_and_where(tmp_path):
-    from matrix.execute import run_cell
+    from matrix.execute.cell_run import run_cell
 
     result = run_cell(
         Cell("tiny-llama", "bf16-loaded-mixed-fp32-grads", "train", "cpu"), tmp_path, run_contradictory=True

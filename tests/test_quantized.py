@@ -1,4 +1,4 @@
-"""Quantized bases (matrix/quantization.py): the precision rows that declare them, the skips
+"""Quantized bases (matrix/precisions/quantization.py): the precision rows that declare them, the skips
 without bitsandbytes or without adapters to train, the storage check against real bitsandbytes
 layers, the checks' own hands off the model they check, and the quantized cells through the
 engines (the CI slice), for our kinds and for a user's QLoRA written the usual way
@@ -11,12 +11,12 @@ import pytest
 import torch
 from packaging.version import Version
 
-from matrix import quantization
-from matrix.cell import Cell
-from matrix.checks import DtypeContractBroken
+from matrix.checks.assertions import DtypeContractBroken
+from matrix.grid.cell import Cell
 from matrix.models import MODELS
-from matrix.plugin import skip_reason
-from matrix.precisions import PRECISIONS
+from matrix.plugin.parametrize import skip_reason
+from matrix.precisions import quantization
+from matrix.precisions.policies import PRECISIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -129,7 +129,7 @@ def test_the_storage_check_passes_what_from_pretrained_quantized_and_catches_wha
 
 @needs_bitsandbytes
 def test_the_expected_dtypes_of_a_prepared_quantized_base(tmp_path):
-    from matrix.cell_state import CellState
+    from matrix.harness.cell_state import CellState
     from matrix.results.metrics import CellMetrics
 
     for name, storage in (("nf4-bf16-mixed", torch.uint8), ("int8-fp16-mixed", torch.int8)):
@@ -191,7 +191,7 @@ INT8_UNDER_FP16_AUTOCAST = "bnb-cpu-int8-product-autocast-to-fp16-without-avx512
 def int8_product_rounded_here(hardware: dict) -> bool:
     """Whether the run's CPU took bitsandbytes' portable int8 product (no AVX512 as torch dispatches,
     the facts its report records), where fp16 autocast rounds it."""
-    from matrix.conditions import Context, lookup
+    from matrix.catalogue.conditions import Context, lookup
 
     avx512 = lookup("cpu-avx512").holds(Context(hardware=hardware))
     return not avx512 and Version(quantization.installed_bitsandbytes()) >= Version("0.50")
@@ -254,8 +254,8 @@ def test_the_int8_product_entry_claims_a_deviation_only_where_its_mechanism_is(
     """The catalogue's entry on the evidence the cells record: the CPU torch dispatches on (the
     report's environment.hardware) and the autocast their forward saw. Holds on any machine: the
     facts are given, not probed."""
-    from matrix import catalogue
-    from matrix.conditions import Context
+    from matrix.catalogue import entries as catalogue
+    from matrix.catalogue.conditions import Context
 
     shipped = catalogue.load()
     entry = shipped.by_id(INT8_UNDER_FP16_AUTOCAST)
@@ -284,8 +284,8 @@ def test_the_int8_product_entry_claims_a_deviation_only_where_its_mechanism_is(
 def test_a_passing_int8_cell_is_inapplicable_only_where_the_entry_would_claim_it_elsewhere(
     hardware, autocast, expected
 ):
-    from matrix import catalogue
-    from matrix.conditions import Context
+    from matrix.catalogue import entries as catalogue
+    from matrix.catalogue.conditions import Context
 
     shipped = catalogue.load()
     entry = shipped.by_id(INT8_UNDER_FP16_AUTOCAST)

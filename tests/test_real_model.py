@@ -6,9 +6,10 @@ import importlib.util
 import pytest
 import torch
 
-from matrix import catalogue, environment
-from matrix.cell import Cell
-from matrix.execute import run_cell
+from matrix.catalogue import entries as catalogue
+from matrix.devices import fingerprint as environment
+from matrix.execute.cell_run import run_cell
+from matrix.grid.cell import Cell
 from matrix.models import MODELS
 from matrix.models.minilm_bert import PACKAGE, PIP_NAME, SENTENCES, model_directory
 from matrix.models.tiny_llama import TinyLlama

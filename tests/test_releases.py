@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from matrix import release_bisect, sweep
-from matrix.bisect import BisectError, ScratchEnvironment
+from matrix.releases import new_failures as release_bisect
+from matrix.releases import sweep
+from matrix.releases.bisection import BisectError, ScratchEnvironment
+from matrix.releases.stacks import load as load_stacks
 from matrix.results import compare, sweep_table
-from matrix.stacks import load as load_stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -287,7 +288,7 @@ def test_the_nightly_bisects_a_moved_curve_by_its_curve_within_what_the_budget_l
     """A curve that moved overnight (diff's curve-moved) is bisected per changed package, each
     release judged by whether the cell's curve stays within the row of last night's, and run with
     the curve length and initial weights the runs had."""
-    from matrix.bisect import CurveJudge
+    from matrix.releases.bisection import CurveJudge
 
     clock, calls = Clock(), []
     row = {"atol": 1e-3, "rtol": 1e-3, "per_step": 1e-3}
@@ -409,8 +410,9 @@ def test_a_sweep_whose_selected_cells_all_skip_exits_4_saying_why(tmp_path):
 
 def test_a_scratch_environment_has_the_default_environments_extras(tmp_path, monkeypatch):
     """The issue's sweep built its scratch environment without bitsandbytes, which nox's environments
-    have (matrix/stacks.py DEFAULT_EXTRAS, read by noxfile.py too): the project goes in with them."""
-    from matrix import bisect, stacks
+    have (matrix/releases/stacks.py DEFAULT_EXTRAS, read by noxfile.py too): the project goes in with them."""
+    from matrix.releases import bisection as bisect
+    from matrix.releases import stacks
 
     assert stacks.DEFAULT_EXTRAS == ("quantized",)
     assert "DEFAULT_EXTRAS = version_stacks.DEFAULT_EXTRAS" in (ROOT / "noxfile.py").read_text()
@@ -427,7 +429,7 @@ def test_a_scratch_environment_has_the_default_environments_extras(tmp_path, mon
 def test_the_nightly_says_nothing_ran_where_a_bisections_cell_skipped(tmp_path):
     """A bisection whose cell skips with a release decides nothing: its record says so, apart
     from an error and from 'same at both ends' (which would clear the package)."""
-    from matrix.bisect import NothingRan
+    from matrix.releases.bisection import NothingRan
 
     def bisect_fn(package, good, bad, cell, stack, output, extra, log, deadline):
         raise NothingRan(f"nothing ran in {package}=={good}: the cell skipped: Requires: [bitsandbytes]")

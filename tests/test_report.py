@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix.cell import Cell
-from matrix.precisions import table
+from matrix.grid.cell import Cell
+from matrix.precisions.policies import table
 from matrix.results import journal
 from matrix.results import records as record_builders
 from matrix.results.document import results_document
@@ -19,7 +19,7 @@ from matrix.results.journal import json_safe
 from matrix.results.markdown import summary_markdown
 from matrix.results.records import CellRecord
 from matrix.results.run_directory import write_report
-from matrix.signatures import Signature
+from matrix.results.signatures import Signature
 
 SCHEMA = json.loads((Path(results_document.__code__.co_filename).parent / "results.schema.json").read_text())
 RUN = {
@@ -224,9 +224,13 @@ def test_a_failed_cells_traceback_is_in_results_json_junit_and_summary(tmp_path)
     new = summary.split("## Not in the catalogue: 2 failures (new here)")[1].split("\n## ")[0]
     assert new.count("<details><summary>traceback</summary>") == 1  # one per signature: the first cell's
     folded = new.split("  <details><summary>traceback</summary>\n\n")[1].split("\n\n  </details>")[0]
-    # the harness's frame (matrix/execute.py) folded to a line; the library's frame and the exception shown
+    # the harness's frame (matrix/execute/cell_run.py) folded to a line; the library's frame and the exception shown
     lines = traceback_of(first).splitlines()
-    shown = [lines[0], "  ... 1 frame of the harness folded (matrix/execute.py, line 110, in run_cell)", *lines[3:]]
+    shown = [
+        lines[0],
+        "  ... 1 frame of the harness folded (matrix/execute/cell_run.py, line 110, in run_cell)",
+        *lines[3:],
+    ]
     assert folded == "  ```\n" + "".join(f"  {line}\n" for line in shown) + "  ```"
     assert "forward_of_tiny_transformer_bf16_mixed_train" not in summary  # the second cell's is in results.json
     assert "forward_of_tiny_llama_bf16_mixed" not in summary  # a known failure's: none in summary.md
@@ -395,7 +399,7 @@ def test_a_failure_of_the_harness_own_check_in_a_rank_names_the_check():
     text = real("gemma-cache-bf16-true-eval-cpu-accelerate-fsdp2")["traceback"]
     assert shown_text(text).split("\n")[:3] == [
         "Traceback (most recent call last):",
-        "  ... 6 frames of the harness folded (innermost: matrix/checks.py, line 219, in check_same_dtypes)",
+        "  ... 6 frames of the harness folded (innermost: matrix/checks/assertions.py, line 219, in check_same_dtypes)",
         "matrix.checks.DtypeContractBroken: after reload: a buffer was torch.bfloat16, is now torch.float32",
     ]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from matrix import repro
-from matrix.signatures import normalize_message
+from matrix.releases import repro
+from matrix.results.signatures import normalize_message
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_a_script_for_a_passing_cell_holds_with_the_records_numbers(cell, run_di
         curve = [c["value"] for c in checks if c["name"] == "CurveDiverged" and "fp32 twin" in c["what"]]
         assert curve == metrics["curve"]["losses"]
     if metrics.get("grad_scale") is not None and record_of(run_dir, cell)["mode"] == "train":
-        # the resumed run's grad scaler against the saved one, as matrix/resume.py check_restored
+        # the resumed run's grad scaler against the saved one, as matrix/harness/resume.py check_restored
         scaler = [c for c in checks if c["what"] == "grad scaler state after reload"]
         assert scaler and scaler[0]["held"] and scaler[0]["value"] == scaler[0]["reference"], checks
         assert scaler[0]["value"]["scale"] == metrics["grad_scale"]
@@ -225,7 +225,7 @@ def test_a_variant_the_model_cannot_take_is_refused(tmp_path):
 
 
 def test_a_compiled_twins_script_compares_with_its_eager_twin_as_the_matrix_does(tmp_path):
-    """The compiled-vs-eager check (matrix/pipeline.py check_against_eager) in the script: the
+    """The compiled-vs-eager check (matrix/harness/pipeline.py check_against_eager) in the script: the
     same compiled evaluation and eager twin as the matrix recorded, the same row, and the logits'
     dtype compared (the aot-autograd-cache entry's check)."""
     cell = "tiny-llama-bf16-mixed-eval-cpu-torch-compile"

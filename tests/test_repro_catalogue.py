@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from matrix.catalogue import load
-from matrix.environment import package_versions
-from matrix.selection import cell_from_id
-from matrix.signatures import normalize_message
+from matrix.catalogue.entries import load
+from matrix.devices.fingerprint import package_versions
+from matrix.results.signatures import normalize_message
+from matrix.selection.cells import cell_from_id
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def test_every_catalogued_bug_has_a_representative_cell_it_selects():
 
     catalogue = {entry.id: entry for entry in bug_entries()}
     missing = sorted(entry_id for entry_id, cell_id in REPRESENTATIVE.items() if not cell_id)
-    assert not missing, f"without a representative (shown_by in matrix/known_failures.toml): {missing}"
+    assert not missing, f"without a representative (shown_by in matrix/catalogue/known_failures.toml): {missing}"
     shown_by = [e.id for e in load().entries if e.kind != "bug" and e.shown_by]
     assert not shown_by, f"shown_by on entries that are not bugs: {shown_by}"
     for entry_id, cell_id in REPRESENTATIVE.items():
@@ -78,7 +78,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("entry_id", RUN_HERE)
 def test_the_representatives_script_shows_the_bug_without_the_harness(entry_id, run_dir, tmp_path):
-    from matrix.repro import generate
+    from matrix.releases.repro import generate
 
     entry = next(e for e in bug_entries() if e.id == entry_id)
     if not entry.versions_hold(package_versions()):

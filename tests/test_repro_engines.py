@@ -1,4 +1,4 @@
-"""Standalone reproduction scripts of each engine's cells (matrix/repro/parts/engine_<module>.py):
+"""Standalone reproduction scripts of each engine's cells (matrix/releases/repro/parts/engine_<module>.py):
 generated from a real run made here, run with nothing of this project importable, a failing cell's
 script exits 1 with the check (or exception) the matrix recorded, a passing cell's exits 0 with
 the numbers the matrix recorded."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from matrix.signatures import normalize_message
+from matrix.results.signatures import normalize_message
 
 # Each engine's scripts take a minute or more on a 2-core CPU: the tests session (CI) and nox -s
 # deepspeed run a slice of each engine family (SLICE below), nox -s repro every cell listed here
@@ -39,7 +39,7 @@ def matrix_run_of(cells: dict, report_dir, *selection: str):
 def script_of(cell, run, tmp_path, limit_s: int):
     """The cell's script, run on its own (a distributed engine's ranks started by it), nothing of
     this project importable: (the process, its --json outcome)."""
-    from matrix.repro.generate import generate
+    from matrix.releases.repro.generate import generate
 
     script = tmp_path / f"{cell}.py"
     script.write_text(generate(cell, run))

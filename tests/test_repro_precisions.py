@@ -14,9 +14,10 @@ import pytest
 from test_repro import ROOT, record_of, run_standalone, write_script
 
 from conftest import python_path
-from matrix import packages, quantization
-from matrix.float8 import REQUIREMENT as TORCHAO
-from matrix.repro import generate
+from matrix.grid import packages
+from matrix.precisions import quantization
+from matrix.precisions.float8 import REQUIREMENT as TORCHAO
+from matrix.releases.repro import generate
 
 INT8 = "lora-int8-fp16-mixed-eval-cpu-torch"
 # bnb-cpu-4bit-save-after-inference-rounds-absmax: a check (CheckpointMismatch) in the reload's saves

@@ -273,7 +273,7 @@ def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_
         "from matrix.models import register\n"
         "from matrix.models.tiny_transformer import TinyTransformer, NUM_CLASSES\n"
         "from matrix.models import base\n"
-        "from matrix.variants import Variant\n\n"
+        "from matrix.grid.variants import Variant\n\n"
         "class Bag(nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"

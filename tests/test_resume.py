@@ -1,4 +1,4 @@
-"""A resume must equal the run it interrupted (matrix/resume.py), in every engine: the optimizer's
+"""A resume must equal the run it interrupted (matrix/harness/resume.py), in every engine: the optimizer's
 and scaler's state come back exactly, and step k+1 after the reload is the uninterrupted run's
 step k+1, bit for bit on a CPU, within the precision's tolerance row on a device whose kernels
 are not deterministic. A stack that silently drops the optimizer's state (tests/plugins/
@@ -12,14 +12,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from matrix import checks, pipeline, resume
-from matrix.cell import Cell
-from matrix.cell_state import CellState
+from matrix.checks import assertions as checks
+from matrix.checks.tolerances import resume_tolerance
 from matrix.engines import EngineSettings, Loop
+from matrix.grid.cell import Cell
+from matrix.harness import pipeline, resume
+from matrix.harness.cell_state import CellState
 from matrix.models import MODELS
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 from matrix.results.metrics import CellMetrics
-from matrix.tolerances import resume_tolerance
 
 
 @dataclass

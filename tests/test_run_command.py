@@ -1,5 +1,5 @@
-"""python -m matrix run's own command line (matrix/runner.py): --help lists this command's options
-and the matrix's pytest options (matrix/options.py), exits 0, and neither starts pytest nor
+"""python -m matrix run's own command line (matrix/plugin/supervisor.py): --help lists this command's options
+and the matrix's pytest options (matrix/plugin/options.py), exits 0, and neither starts pytest nor
 imports torch."""
 
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import python_path
-from matrix import options
+from matrix.plugin import options
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("torch", "transformers", "peft", "accelerate", "lightning", "pytest", "_pytest", "xdist")

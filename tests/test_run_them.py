@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from matrix import stacks
-from matrix.cell import AXES
-from matrix.packages import not_installed_reason
+from matrix.grid.cell import AXES
+from matrix.grid.packages import not_installed_reason
+from matrix.releases import stacks
 from matrix.results.reach import reach
 from matrix.results.run_them import RUNNERS, command, runner
 
@@ -29,7 +29,7 @@ def selected(arguments) -> dict[str, set[str]]:
 
 
 def session_selection(session: str) -> dict[str, set[str]]:
-    """What a `nox -s ...` command's run of the matrix selects: a stack's `select` (matrix/stacks.toml),
+    """What a `nox -s ...` command's run of the matrix selects: a stack's `select` (matrix/releases/stacks.toml),
     or the arguments the session's function in noxfile.py gives `python -m matrix run cases`."""
     name = shlex.split(session)[2]
     stack = re.fullmatch(r"stack\(name='([^']+)'\)", name)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix.selection import Cell, SelectionError, axis_values, cell_from_id, enumerate_cells, parse_selection
+from matrix.selection.cells import Cell, SelectionError, axis_values, cell_from_id, enumerate_cells, parse_selection
 
 AXES = axis_values()
 

@@ -16,16 +16,16 @@ from hypothesis import strategies as st
 from test_report import ENV, RUN
 
 from conftest import python_path
-from matrix.cell import Cell, SelectionError
 from matrix.devices import resolve_index
-from matrix.precisions import table
+from matrix.grid.cell import Cell, SelectionError
+from matrix.precisions.policies import table
 from matrix.results.document import results_document
 from matrix.results.files import SCHEMA_FILE
 from matrix.results.html import html_report
 from matrix.results.markdown import summary_markdown
-from matrix.results.merge import MergeError, merge
 from matrix.results.records import CellRecord
-from matrix.shards import PLAN_FILE, SPLIT_FRACTION, Costs, parse_shard, plan, shard_cells
+from matrix.shards.merge import MergeError, merge
+from matrix.shards.plan import PLAN_FILE, SPLIT_FRACTION, Costs, parse_shard, plan, shard_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a test about skipped cuda cells makes them skip, GPU or not

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from matrix.signatures import Signature, normalize_message, origin_of, signature_of
+from matrix.results.signatures import Signature, normalize_message, origin_of, signature_of
 
 # Real messages from the seeds and from this matrix's runs.
 UPSTREAM_MESSAGES = [
@@ -125,7 +125,7 @@ def test_origin_prefers_stack_frames_over_ours():
 def test_a_matrix_check_called_by_a_library_keeps_the_check_as_origin():
     """A Trainer or Lightning callback runs our check: the origin stays the check, so the
     same check failing gives the same signature under every engine."""
-    from matrix import checks
+    from matrix.checks import assertions as checks
 
     layer = torch.nn.Linear(2, 2)
     layer.register_forward_pre_hook(lambda module, args: checks.check_finite_loss(torch.tensor(float("nan")), "x"))
@@ -138,7 +138,7 @@ def test_a_failure_carrying_other_tracebacks_is_signed_by_its_own_line_and_the_i
     """DCP's CheckpointException holds every rank's traceback in its message: the signature keeps its
     first line and the error the tracebacks end in, not the frames (paths and line numbers that
     change with every release)."""
-    from matrix.signatures import message_of, signature_of
+    from matrix.results.signatures import message_of, signature_of
 
     gathered = (
         "CheckpointException ranks:dict_keys([0, 1])\n"
@@ -165,7 +165,7 @@ def test_what_a_cell_records_and_what_passes_through_its_except_clauses():
     exits and pytest's outcomes (pytest-timeout stops a cell by raising Failed in it) pass through."""
     from _pytest.outcomes import Failed, Skipped
 
-    from matrix.signatures import is_failure
+    from matrix.results.signatures import is_failure
 
     class LibraryAbort(BaseException):
         pass

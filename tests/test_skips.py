@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from matrix.devices import DEVICES, cuda
-from matrix.precisions import PRECISIONS
+from matrix.precisions.policies import PRECISIONS
 
 OLD_GPU = (
     {"index": 0, "name": "Tesla T4", "compute_capability": "7.5", "total_memory_gib": 14.6, "native_bf16": False},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from matrix import stacks
+from matrix.releases import stacks
 
 GOOD = """
 [stack.default]

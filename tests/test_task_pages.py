@@ -319,11 +319,11 @@ def test_library_branch_page_two_runs_on_one_environment_diff_to_no_change(tmp_p
 
 def uses() -> dict[str, dict[str, set[str]]]:
     """library -> axis -> the built-in values whose `requires` name it (compiled twins left out)."""
-    from matrix import packages
     from matrix.engines import ENGINES
+    from matrix.grid import packages
     from matrix.models import MODELS
     from matrix.models.hf_architecture import HfArchitecture
-    from matrix.precisions import PRECISIONS
+    from matrix.precisions.policies import PRECISIONS
 
     found: dict[str, dict[str, set[str]]] = {}
 
@@ -379,7 +379,7 @@ def test_library_branch_page_says_which_cells_use_each_library_as_the_code_does(
 def test_library_branch_page_selections_select_cells_that_use_the_library():
     from matrix.engines import ENGINES
     from matrix.models import MODELS
-    from matrix.precisions import PRECISIONS
+    from matrix.precisions.policies import PRECISIONS
 
     known = {"model": set(MODELS), "engine": set(ENGINES), "precision": set(PRECISIONS), "device": {"cpu", "cuda"}}
     table = uses()

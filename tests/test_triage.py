@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PLUGINS, ROOT, python_path, run_matrix_cpu
-from matrix import triage
-from matrix.cell import Cell
+from matrix.grid.cell import Cell
+from matrix.releases import triage
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,8 +88,8 @@ def test_the_real_bug_reproduces_with_a_draft_entry_that_selects_its_cells(triag
     assert draft["versions"]["torch"] == f">={torch_version}"
     assert entry["script"] in draft["notes"]
     # the catalogue reads it as an entry: its signature matches the cells' and it selects them, and no other
-    from matrix.catalogue import parse
-    from matrix.selection import axis_values
+    from matrix.catalogue.entries import parse
+    from matrix.selection.cells import axis_values
 
     axes = {**axis_values(), "model": (*axis_values()["model"], *KINDS)}
     (parsed,) = parse(entry["catalogue_entry"], Path("draft.toml"), axes=axes).entries
@@ -244,7 +244,7 @@ def test_without_a_json_file_the_exit_status_and_last_line_decide():
 
 def test_a_reproduced_line_naming_another_exception_or_phase_is_another_failure():
     other = verdict(1, "REPRODUCED in evaluate: LookupError: x")
-    assert triage.combine([other], SIGNATURE)[0] == "another-failure" and "not matrix.checks" in other.note
+    assert triage.combine([other], SIGNATURE)[0] == "another-failure" and "not matrix.checks.assertions" in other.note
     elsewhere = verdict(1, "REPRODUCED in checkpoint_save: OutOfTolerance: x")
     assert triage.combine([elsewhere], SIGNATURE)[0] == "another-failure"
     same = verdict(1, "REPRODUCED in evaluate: OutOfTolerance: x")
@@ -332,7 +332,7 @@ def test_the_html_section_escapes_what_the_triage_says():
 def test_a_cell_this_machine_cannot_run_is_not_run_with_its_devices_reason():
     cuda = {"device": "cuda", "precision": "bf16-mixed"}
     from matrix.devices import DEVICES
-    from matrix.precisions import PRECISIONS
+    from matrix.precisions.policies import PRECISIONS
 
     reason = DEVICES["cuda"].skip_reason(PRECISIONS["bf16-mixed"])
     assert triage.not_runnable_here(cuda) == reason  # None on a machine with a bf16-capable GPU

@@ -38,7 +38,7 @@ def entries(text: str) -> list[dict]:
 
 def selected_by_trait(entry: dict, cell: dict, traits: frozenset[str]) -> bool:
     """Whether one of the entry's selectors that names traits, and no model, matches the cell:
-    the entry reaches this kind through its trait alone (the format of matrix/known_failures.toml)."""
+    the entry reaches this kind through its trait alone (the format of matrix/catalogue/known_failures.toml)."""
     for selector in entry["cells"]:
         if "trait" not in selector or "model" in selector:
             continue

@@ -4,6 +4,8 @@
   cpu.py           - cpu: always there; skips a precision whose autocast this torch cannot run
   cuda.py          - cuda: NVIDIA GPUs through torch.cuda (and, without one, Triton's
                      interpreter variables for Liger's kernels)
+  fingerprint.py   - the versions and devices every report records (python -m
+                     matrix.devices.fingerprint prints them)
 
 A new device (mps, xpu) is one file here that subclasses Device and calls register(); a
 user's device registers from their plugin the same way. poisoning_error(), below, asks every
@@ -15,7 +17,7 @@ from __future__ import annotations
 import functools
 
 from matrix.devices.base import DEVICES, PER_WORKER, Device, register, resolve_index
-from matrix.registry import load_modules
+from matrix.grid.registry import load_modules
 
 
 def poisoning_error(message: str | None) -> str | None:
@@ -27,7 +29,7 @@ def poisoning_error(message: str | None) -> str | None:
 @functools.cache
 def hardware_facts(index: int = 0) -> dict:
     """What decides a kernel on this machine, from every device (Device.hardware_facts): the
-    facts catalogue conditions read (matrix/conditions.py) and every report records. Read once
+    facts catalogue conditions read (matrix/catalogue/conditions.py) and every report records. Read once
     per process (cache_clear() after changing what they read)."""
     facts: dict = {}
     for device in DEVICES.values():

@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from matrix.precisions import Precision
-from matrix.registry import Registry
+from matrix.grid.registry import Registry
+from matrix.precisions.policies import Precision
 
 PER_WORKER = "per-worker"
 
@@ -31,7 +31,7 @@ class Device(abc.ABC):
     # the same process fails the same way, so the rest of the run needs a fresh process.
     poisoning_errors: tuple[str, ...] = ()
     # Whether the same step from the same state gives the same bits twice in a process: a resumed
-    # step must then equal the uninterrupted one bit for bit (matrix/resume.py), else within a
+    # step must then equal the uninterrupted one bit for bit (matrix/harness/resume.py), else within a
     # tolerance row. CUDA's backward kernels use atomic adds: not deterministic.
     deterministic_steps: bool = True
 
@@ -66,7 +66,7 @@ class Device(abc.ABC):
 
     def hardware_facts(self, index: int | None) -> dict:
         """What decides a kernel on this machine, as this device type knows it (flat keys the
-        conditions of matrix/conditions.py read): the report's environment.hardware."""
+        conditions of matrix/catalogue/conditions.py read): the report's environment.hardware."""
         return {}
 
     def warnings(self, index: int | None) -> list[str]:

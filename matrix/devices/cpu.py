@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from matrix.devices.base import Device, no_autocast_reason, register
-from matrix.precisions import Precision
+from matrix.precisions.policies import Precision
 
 
 @functools.cache

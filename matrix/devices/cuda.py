@@ -11,7 +11,7 @@ import subprocess
 import torch
 
 from matrix.devices.base import Device, register
-from matrix.precisions import Precision
+from matrix.precisions.policies import Precision
 
 # bf16 is native from Ampere on. torch.cuda.is_bf16_supported() also says yes on older
 # GPUs through emulation, so the compute capability is what decides.
@@ -23,7 +23,7 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 def interpreter_variables() -> dict[str, str]:
     """Without a GPU, Triton kernels (Liger's) can only run in Triton's interpreter, on CPU
     tensors: TRITON_INTERPRET=1 among the variables the matrix's cells run under
-    (matrix/cell_environment.py). Triton reads it when its functions are decorated, its own
+    (matrix/execute/environment_variables.py). Triton reads it when its functions are decorated, its own
     when triton is first imported (torch._dynamo imports it along with transformers' models),
     so it must be set before anything imports triton in the process."""
     return {} if torch.cuda.is_available() else {TRITON_INTERPRET: "1"}

@@ -1,5 +1,5 @@
 """The engine axis: what one training library does to a cell (the harness's pipeline,
-matrix/pipeline.py, does the rest). `torch` is a hand-written loop; the others run the real
+matrix/harness/pipeline.py, does the rest). `torch` is a hand-written loop; the others run the real
 library. The files, and the engines each registers, in the axis' order:
 
   base.py          - what an engine supplies (Engine; Loop, LibraryLoop: who owns the loop), the
@@ -13,8 +13,10 @@ library. The files, and the engines each registers, in the axis' order:
                      `hf-trainer-compile`
   lightning_loop.py - `lightning`: a Lightning Trainer(precision=...)'s fit(), ckpt_path resume;
                      `lightning-compile`
-  distributed.py   - what the distributed engines share: DistributedEngine, the driver side that
-                     sends a cell's phases to the ranks, the rank side, sharded weights gathered
+  library_loop.py  - LibraryLoop: a loop the library owns (the Trainer's, Lightning's), replayed to
+                     the harness as if it paused after step k
+  distributed.py   - what the distributed engines share: DistributedEngine, the launcher variables,
+                     sharded weights gathered (matrix/execute/ranks.py runs their cells on the ranks)
   ddp.py           - `ddp`: DistributedDataParallel, with compress hooks for half-precision reduction;
                      `ddp-compile`
   fsdp2.py         - `fsdp2`: fully_shard with a MixedPrecisionPolicy, DCP checkpoints; `fsdp2-compile`
@@ -25,9 +27,11 @@ library. The files, and the engines each registers, in the axis' order:
                      `deepspeed-zero1-compile`, `deepspeed-zero2-compile`, `deepspeed-zero3-compile`
   hf_trainer_deepspeed.py - `hf-trainer-zero2`, `hf-trainer-zero3`: the Trainer with a DeepSpeed
                      config of that ZeRO stage; `hf-trainer-zero2-compile`, `hf-trainer-zero3-compile`
+  libraries/       - support for a library several engines share (accelerate, the Trainer,
+                     DeepSpeed), and the ops a library compiles on first use
 
 Every engine registers a compiled twin beside it (base.py register_with_compiled_twin,
-matrix/compiling.py), which runs only where a selection names it.
+matrix/harness/compiling.py), which runs only where a selection names it.
 
 A new engine is one file here (an Engine subclass and a register() call) plus its library in
 pyproject.toml; a user's engine registers from their plugin.
@@ -40,15 +44,14 @@ from matrix.engines.base import (
     Engine,
     EngineIncomplete,
     EngineSettings,
-    LibraryLoop,
     Loop,
-    LoopProgress,
     LoopRun,
     Steps,
     Unsupported,
     register,
 )
-from matrix.registry import load_modules
+from matrix.engines.library_loop import LibraryLoop, LoopProgress
+from matrix.grid.registry import load_modules
 
 load_modules(__name__)
 

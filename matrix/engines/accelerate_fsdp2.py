@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from matrix import checks
+from matrix.checks import assertions as checks
 from matrix.engines.base import (
     ALWAYS,
     EngineSettings,
@@ -40,9 +40,10 @@ from matrix.engines.base import (
     register_with_compiled_twin,
 )
 from matrix.engines.distributed import DistributedEngine, GatheredWeights, set_launcher_environment
-from matrix.libraries.accelerate import fp8_handlers, reset_accelerate, resume_from_saved_state
-from matrix.measurements import fresh_model, loss_weight
-from matrix.precisions import Precision, dtype_name
+from matrix.engines.libraries.accelerate import fp8_handlers, reset_accelerate, resume_from_saved_state
+from matrix.harness.measurements import fresh_model
+from matrix.harness.torch_step import loss_weight
+from matrix.precisions.policies import Precision, dtype_name
 from matrix.results.metrics import UNSET
 
 MIXED_PRECISION = {None: "no", "float16": "fp16", "bfloat16": "bf16"}
@@ -52,7 +53,7 @@ MIXED_PRECISION = {None: "no", "float16": "fp16", "bfloat16": "bf16"}
 class AccelerateFSDP2Settings(EngineSettings):
     mixed_precision: str = field(default="no", metadata=ALWAYS)
     mixed_precision_policy: dict | None = field(default=None, metadata=ALWAYS)
-    fp8_backend: str | None = None  # fp8: AORecipeKwargs, torchao's recipe (matrix/float8.py)
+    fp8_backend: str | None = None  # fp8: AORecipeKwargs, torchao's recipe (matrix/precisions/float8.py)
     fp8_recipe: str | None = None
 
 

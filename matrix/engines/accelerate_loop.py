@@ -12,18 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from matrix import checks
-from matrix.compiling import plain
+from matrix.checks import assertions as checks
 from matrix.engines.base import EngineSettings, Loop, Unsupported, one_switch_unsupported, register_with_compiled_twin
-from matrix.libraries.accelerate import fp8_handlers, reset_accelerate, resume_from_saved_state
-from matrix.measurements import same_weights_copy
-from matrix.precisions import Precision
+from matrix.engines.libraries.accelerate import fp8_handlers, reset_accelerate, resume_from_saved_state
+from matrix.harness.compiling import plain
+from matrix.harness.measurements import same_weights_copy
+from matrix.precisions.policies import Precision
 
 
 @dataclass(frozen=True)
 class AccelerateSettings(EngineSettings):
     mixed_precision: str = "no"  # accelerate's switch: no | fp16 | bf16 | fp8
-    fp8_backend: str | None = None  # fp8: AORecipeKwargs, torchao's recipe (matrix/float8.py)
+    fp8_backend: str | None = None  # fp8: AORecipeKwargs, torchao's recipe (matrix/precisions/float8.py)
     fp8_recipe: str | None = None
 
 

@@ -1,6 +1,6 @@
 """What an engine is: what one training library does to a cell, in the library's own terms.
 
-The harness owns a cell's pipeline and makes every check (matrix/pipeline.py): it builds the
+The harness owns a cell's pipeline and makes every check (matrix/harness/pipeline.py): it builds the
 model, has it trained k steps, evaluated mid-training, saved, reloaded (the kind's plain load of
 an export, and the engine's own resume path), takes step k+1 on the resumed run and on the
 uninterrupted one, and checks each step. An engine supplies what its library does:
@@ -39,7 +39,7 @@ Two bases cover the two shapes of training loop:
 - Loop: a hand-written loop, or a thin wrapper's (accelerate, DDP, FSDP2, DeepSpeed's engine):
   it supplies step(state, run), one optimizer step attempt; the harness takes the steps.
 - LibraryLoop: a loop the library owns (Trainer.train(), Lightning's fit()): the library runs
-  the harness's schedule in one call (matrix/schedule.py), and the engine's callbacks record what
+  the harness's schedule in one call (matrix/grid/schedule.py), and the engine's callbacks record what
   it held after step k; the harness asks for it as if the run had paused there.
 
 A distributed engine (matrix/engines/distributed.py) is the same, run in every rank.
@@ -53,25 +53,18 @@ import dataclasses
 import enum
 import inspect
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 import torch
 
-from matrix import checks
-from matrix.compiling import plain
-from matrix.measurements import (
-    dropout_off_rows_loss,
-    evaluate_rows,
-    model_holding,
-    same_weights_copy,
-    take_steps,
-    train_step,
-)
+from matrix.checks import assertions as checks
+from matrix.grid.registry import RegistrationError, Registry
+from matrix.harness.compiling import plain
+from matrix.harness.measurements import dropout_off_rows_loss, evaluate_rows
+from matrix.harness.torch_step import take_steps, train_step
 from matrix.models.base import EvalOutput
-from matrix.precisions import PRECISIONS, Precision, dtype_name
-from matrix.registry import RegistrationError, Registry
-from matrix.schedule import SCHEDULE
+from matrix.precisions.policies import PRECISIONS, Precision, dtype_name
 
 
 @dataclass(frozen=True)
@@ -242,7 +235,7 @@ class Engine(abc.ABC):
     # The engine's run: a dataclass holding what its library keeps between calls. The default
     # views read its `model`, `optimizer` and `scaler`.
     Run: type | None = None
-    # Variant fields (matrix/variants.py) the engine does not implement: exploration keeps
+    # Variant fields (matrix/grid/variants.py) the engine does not implement: exploration keeps
     # them at the grid's value for this engine. Micro-batch accumulation is wired only where
     # an engine says so.
     fixed_variant_fields: tuple[str, ...] = ("grad_accumulation",)
@@ -257,12 +250,12 @@ class Engine(abc.ABC):
     # True: the model's forward, as the library holds it, brings its own autocast (accelerate's
     # prepared forward) or none is wanted (DeepSpeed casts the module): the harness adds none
     forward_autocasts = False
-    # the packages its library needs beyond torch, as pip names them (matrix/packages.py): without
+    # the packages its library needs beyond torch, as pip names them (matrix/grid/packages.py): without
     # one its cells skip, and a cell run anyway (a replay) fails at once, naming it
     requires: tuple[str, ...] = ()
     # How the library is told to compile the model, in words; None: the engine has no compiled
     # twin. An engine that says how registers with register_with_compiled_twin(): its twin,
-    # `<name>-compile`, is the same engine with `compiled` set (matrix/compiling.py), and runs
+    # `<name>-compile`, is the same engine with `compiled` set (matrix/harness/compiling.py), and runs
     # only where a selection names it.
     compile_how: str | None = None
     compiled = False
@@ -272,16 +265,16 @@ class Engine(abc.ABC):
     traits: frozenset[str] = frozenset()
     compiled_traits: frozenset[str] = frozenset()
     # True: the library converts the model to float8 itself (accelerate's fp8 with torchao); else
-    # the harness converts it before start(), as users of the library do (matrix/float8.py)
+    # the harness converts it before start(), as users of the library do (matrix/precisions/float8.py)
     converts_float8 = False
     # The gradient norm the library clips to as the cells run it (its default), None: it does not
-    # clip. The reference curves the cell's losses are compared with clip alike (matrix/curves.py).
+    # clip. The reference curves the cell's losses are compared with clip alike (matrix/results/curves.py).
     max_grad_norm: float | None = None
 
     def decayed_parameters(self, model) -> set[str] | None:
         """The names of the trainable parameters the library's AdamW applies weight decay to, as
         it builds its optimizer; None: all of them (torch.optim.AdamW over the model's parameters).
-        The reference curves build theirs alike (matrix/curves.py)."""
+        The reference curves build theirs alike (matrix/results/curves.py)."""
         return None
 
     # ---------------------------------------------------------------- settings
@@ -312,13 +305,13 @@ class Engine(abc.ABC):
     def device_skip_reason(self, device) -> str | None:
         """Why this engine cannot run on a device of the device axis here, or None: by default a
         package it requires is not installed. An engine with reasons of its own asks super() first."""
-        from matrix import packages
+        from matrix.grid import packages
 
         return packages.skip_reason(self.requires)
 
     def require(self) -> None:
         """Raise MissingPackage where a package this engine's library needs is absent."""
-        from matrix import packages
+        from matrix.grid import packages
 
         packages.require(self.requires, f"the {self.name} engine")
 
@@ -346,6 +339,17 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, state, run) -> EvalOutput:
         """Evaluate the whole batch as the library evaluates (its wrapper, its autocast)."""
+
+    def checked_evaluation(self, result, where: str = "evaluate()") -> EvalOutput:
+        """A result of this engine's evaluate(), checked as the harness reads it (evaluation_result)."""
+        return evaluation_result(result, self.evaluate, where)
+
+    @property
+    def curve_family(self) -> str:
+        """The family whose measured spread this engine's loss curves are judged by (traits.py)."""
+        from matrix.engines.traits import curve_family
+
+        return curve_family(self.traits)
 
     @abc.abstractmethod
     def save(self, state, run, directory: Path) -> None:
@@ -548,196 +552,7 @@ class Loop(Engine):
 # ---------------------------------------------------------------- loops a library owns
 
 
-def clone_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached copies, one per tensor: names that share a tensor (tied weights) share the copy."""
-    copies: dict[int, torch.Tensor] = {}
-    return {name: copies.setdefault(id(t), t.detach().clone()) for name, t in tensors.items()}
+def __getattr__(name: str):  # LibraryLoop and its parts are library_loop.py's now: the old path, for one release
+    from matrix.results.module_moves import forwarded
 
-
-@dataclass
-class Held:
-    """What a library-owned loop held at one point of its run (after step k; or as a resumed run
-    began): its weights, optimizer and scaler state, master weights, and its evaluation there."""
-
-    weights: dict[str, torch.Tensor]
-    optimizer_state: dict[str, torch.Tensor]
-    scaler_state: dict | None
-    master_weights: dict[str, torch.Tensor]
-    evaluation: EvalOutput | None = None
-
-
-@dataclass
-class LoopProgress:
-    """A library-owned loop's training run as its callbacks recorded it. The loop runs once, when
-    the harness first asks for a result of it; the harness then gets each part in its own phase:
-    the first k losses and what was held after step k, the evaluation, the checkpoint, step k+1.
-    A library error is raised where the harness asks for what the error prevented, tagged with
-    the phase the library was in (execute.run_cell records that phase)."""
-
-    phase: str  # the harness phase the library is in now (its callbacks advance it)
-    resumed: bool = False  # a run resumed from a checkpoint: it pauses as it begins, not after step k
-    losses: list[float] = field(default_factory=list)
-    applied_after: list[int] = field(default_factory=list)  # optimizer steps applied after each step
-    applied_before: int = 0  # applied before the loop's first step (a resumed run: the checkpoint's)
-    held: Held | None = None  # after step k (a first run), or as a resumed run began
-    evaluation: EvalOutput | None = None  # the library's evaluation after step k
-    error: BaseException | None = None
-    ran: bool = False
-    handed: int = 0  # steps handed to the harness so far
-    weights_model: torch.nn.Module | None = None  # held.weights as a module, made once
-
-    @property
-    def paused(self) -> bool:
-        """Whether the harness sees the run where the loop held it: the steps handed end there
-        (a first run after step k; a resumed run before its first step)."""
-        return self.held is not None and self.handed == (0 if self.resumed else SCHEDULE.steps)
-
-
-class LibraryLoop(Engine):
-    """A loop the library owns. A training run's `progress` is a LoopProgress; the engine's
-    run_loop(state, run) runs the loop (the whole schedule for a first run, to its end for a
-    resumed one), its callbacks calling hold() after step k (a resumed run: as it begins) and
-    step_ended() after each step, and setting progress.evaluation to the library's evaluation.
-    The harness reads the run as if it had paused after step k. An evaluation cell's run has no
-    progress: its views are the live ones."""
-
-    owns_loop = True
-    resume_random_numbers = "the library's own: the checkpoint's random states, restored on resume"
-
-    @abc.abstractmethod
-    def run_loop(self, state, run) -> None:
-        """Run the library's loop for this training run (its progress: run.progress)."""
-
-    @abc.abstractmethod
-    def evaluate_live(self, state, run) -> EvalOutput:
-        """Evaluate an evaluation cell's run through the library."""
-
-    @abc.abstractmethod
-    def live_weights(self, state, run) -> torch.nn.Module: ...
-
-    @abc.abstractmethod
-    def live_optimizer_state(self, state, run) -> dict[str, torch.Tensor]: ...
-
-    @abc.abstractmethod
-    def live_scaler_state(self, state, run) -> dict | None: ...
-
-    def live_master_weights(self, state, run) -> dict[str, torch.Tensor]:
-        return {}
-
-    def live_evaluation(self, state, run) -> EvalOutput | None:
-        """The evaluation a resumed run holds as it begins, through the library's model."""
-        return None
-
-    def live_applied(self, state, run) -> int:
-        """Optimizer steps applied so far, from the optimizer's own step counts."""
-        return 0
-
-    # -- the callbacks' side
-
-    def hold(self, state, run) -> None:
-        """Record what the loop holds now (after step k; a resumed run as it begins, with its
-        evaluation there)."""
-        from matrix.quantization import float_tensors
-
-        weights = plain(self.live_weights(state, run))
-        held = weights.state_dict() if state.precision.quantization is None else float_tensors(weights)
-        if run.progress.resumed:  # the steps it applies count from the checkpoint's
-            run.progress.applied_before = self.live_applied(state, run)
-        run.progress.held = Held(
-            weights=clone_tensors(held),
-            optimizer_state=self.live_optimizer_state(state, run),
-            scaler_state=self.live_scaler_state(state, run),
-            master_weights=self.live_master_weights(state, run),
-            evaluation=self.live_evaluation(state, run) if run.progress.resumed else None,
-        )
-
-    def step_ended(self, state, run, loss: float) -> None:
-        progress = run.progress
-        loss = loss_value(loss, "the library's step")  # a callback's loss.detach() too
-        applied = self.live_applied(state, run)
-        before = progress.applied_after[-1] if progress.applied_after else progress.applied_before
-        state.step_ended(applied=applied > before)
-        progress.losses.append(loss)
-        progress.applied_after.append(applied)
-
-    # -- the harness's side
-
-    @reads("progress")
-    def ran(self, state, run) -> LoopProgress:
-        """The run's progress, its loop run first if it has not run yet."""
-        progress = run.progress
-        if not progress.ran:
-            progress.ran = True
-            try:
-                self.run_loop(state, run)
-            except Exception as exc:  # raised where the harness asks for what it prevented
-                exc.matrix_phase = progress.phase
-                progress.error = exc
-        return progress
-
-    @staticmethod
-    def fail(progress: LoopProgress, missing: str):
-        if progress.error is not None:
-            raise progress.error
-        raise checks.CheckFailure(missing)
-
-    def train(self, state, run, steps: int) -> Steps:
-        """The next `steps` steps the loop ran; a resumed run hands all it ran, which the harness
-        checks is the one step left (a loop that restarted from the beginning runs more)."""
-        progress = self.ran(state, run)
-        start, end = progress.handed, progress.handed + steps
-        if len(progress.losses) < end:
-            self.fail(progress, f"the library's loop ran {len(progress.losses) - start} of the {steps} steps asked for")
-        if progress.resumed:
-            end = len(progress.losses)
-        progress.handed = end
-        if progress.error is not None and (progress.resumed or end >= SCHEDULE.total):
-            raise progress.error  # after its last step: the library failed as its loop ended
-        before = progress.applied_after[start - 1] if start else progress.applied_before
-        counts = [before, *progress.applied_after[start:end]]
-        skipped = tuple(i for i in range(end - start) if counts[i + 1] == counts[i])
-        return Steps(progress.losses[start:end], progress.applied_after[end - 1] - before, skipped)
-
-    def evaluate(self, state, run) -> EvalOutput:
-        if run.progress is None:
-            return self.evaluate_live(state, run)
-        progress = self.ran(state, run)
-        evaluation = None
-        if progress.paused:
-            evaluation = progress.held.evaluation if progress.resumed else progress.evaluation
-        if evaluation is None:
-            self.fail(progress, "the library ran no evaluation on its schedule")
-        return evaluation
-
-    def _held(self, run) -> Held | None:
-        """What the views read while the run is seen paused; None: the live objects. Views never
-        start the loop: before it ran, the live objects are the run's state."""
-        progress = run.progress
-        return progress.held if progress is not None and progress.paused else None
-
-    @reads("progress")
-    def weights(self, state, run) -> torch.nn.Module:
-        held = self._held(run)
-        if held is None:
-            return plain(self.live_weights(state, run))
-        if run.progress.weights_model is None:
-            run.progress.weights_model = model_holding(state, held.weights)
-        return run.progress.weights_model
-
-    @reads("progress")
-    def optimizer_state(self, state, run) -> dict[str, torch.Tensor]:
-        held = self._held(run)
-        return self.live_optimizer_state(state, run) if held is None else held.optimizer_state
-
-    @reads("progress")
-    def scaler_state(self, state, run) -> dict | None:
-        held = self._held(run)
-        return self.live_scaler_state(state, run) if held is None else held.scaler_state
-
-    @reads("progress")
-    def master_weights(self, state, run) -> dict[str, torch.Tensor]:
-        held = self._held(run)
-        return self.live_master_weights(state, run) if held is None else held.master_weights
-
-    def exported(self, state, run) -> torch.nn.Module:
-        return same_weights_copy(state, self.weights(state, run))
+    return forwarded("matrix.engines.base", name)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from matrix.compiling import compile_module, plain
 from matrix.engines.base import EngineSettings, Loop, LoopRun, Unsupported, register_with_compiled_twin
 from matrix.engines.distributed import DistributedEngine
 from matrix.engines.torch_loop import load_checkpoint, save_checkpoint
-from matrix.measurements import evaluate_rows
-from matrix.precisions import Precision, dtype_name
+from matrix.harness.compiling import compile_module, plain
+from matrix.harness.measurements import evaluate_rows
+from matrix.precisions.policies import Precision, dtype_name
 
 COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
 

@@ -32,18 +32,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from matrix import checks
-from matrix.compiling import BACKEND
+from matrix.checks import assertions as checks
 from matrix.engines.base import ALWAYS, EngineSettings, Loop, Unsupported, register_with_compiled_twin
 from matrix.engines.distributed import DistributedEngine, set_launcher_environment
-from matrix.kind_traits import ADAMW_WEIGHT_DECAY
-from matrix.libraries import deepspeed as ds
-from matrix.measurements import evaluate_rows, fresh_model, loss_weight
-from matrix.precisions import Precision
+from matrix.engines.libraries import deepspeed as ds
+from matrix.harness.compiling import BACKEND
+from matrix.harness.kind_traits import ADAMW_WEIGHT_DECAY
+from matrix.harness.measurements import evaluate_rows, fresh_model
+from matrix.harness.torch_step import loss_weight
+from matrix.precisions.policies import Precision
 from matrix.results.metrics import UNSET
 
 STAGES = (0, 1, 2, 3)
-TAG = "step-k"  # the checkpoint written after step k (matrix/schedule.py)
+TAG = "step-k"  # the checkpoint written after step k (matrix/grid/schedule.py)
 INITIAL_SCALE_POWER = 16  # torch.amp.GradScaler starts at 2**16 too
 
 
@@ -113,7 +114,7 @@ class ZeroEngine(DistributedEngine, Loop):
     @property
     def max_grad_norm(self) -> float | None:
         """DeepSpeed's own default, whichever release is installed (its config sets no clipping)."""
-        from matrix.libraries.deepspeed import default_gradient_clipping
+        from matrix.engines.libraries.deepspeed import default_gradient_clipping
 
         return default_gradient_clipping()
 

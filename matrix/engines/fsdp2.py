@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from matrix.compiling import compile_in_place
 from matrix.engines.base import ALWAYS, EngineSettings, Loop, register_with_compiled_twin
 from matrix.engines.distributed import DistributedEngine, GatheredWeights
-from matrix.measurements import fresh_model, train_step
-from matrix.precisions import Precision, dtype_name
+from matrix.harness.compiling import compile_in_place
+from matrix.harness.measurements import fresh_model
+from matrix.harness.torch_step import train_step
+from matrix.precisions.policies import Precision, dtype_name
 
 SCALER_FILE = "grad_scaler.pt"
 

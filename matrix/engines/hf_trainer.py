@@ -16,17 +16,10 @@ from pathlib import Path
 
 import torch
 
-from matrix import checks
-from matrix.engines.base import (
-    EngineSettings,
-    LibraryLoop,
-    LoopProgress,
-    Unsupported,
-    one_switch_unsupported,
-    register_with_compiled_twin,
-)
-from matrix.libraries.accelerate import reset_accelerate
-from matrix.libraries.trainer import (
+from matrix.checks import assertions as checks
+from matrix.engines.base import EngineSettings, Unsupported, one_switch_unsupported, register_with_compiled_twin
+from matrix.engines.libraries.accelerate import reset_accelerate
+from matrix.engines.libraries.trainer import (
     Rows,
     forward_skip_reason,
     recording,
@@ -34,10 +27,11 @@ from matrix.libraries.trainer import (
     trainer_classes,
     training_arguments,
 )
-from matrix.measurements import evaluate_rows, fresh_model, generators_kept
-from matrix.precisions import Precision
+from matrix.engines.library_loop import LibraryLoop, LoopProgress
+from matrix.grid.schedule import SCHEDULE
+from matrix.harness.measurements import evaluate_rows, fresh_model, generators_kept
+from matrix.precisions.policies import Precision
 from matrix.results.metrics import UNSET
-from matrix.schedule import SCHEDULE
 
 TRAINER_DIR = "trainer"  # the first run's output_dir, under the cell's shared directory
 RESUMED_DIR = "resumed"  # the resumed run's

@@ -12,7 +12,7 @@ whole batch's step.
 Everything else is the hf-trainer engine's (one train() over the harness's schedule, a callback
 recording what it held after step k, resume_from_checkpoint), with the run's weights, master
 weights, optimizer and scaler state read from the DeepSpeed engine the Trainer trains through
-(matrix/libraries/deepspeed.py), as the deepspeed-zero* engines read them.
+(matrix/engines/libraries/deepspeed.py), as the deepspeed-zero* engines read them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from matrix import checks
+from matrix.checks import assertions as checks
 from matrix.engines.base import Unsupported, one_switch_unsupported, register_with_compiled_twin
 from matrix.engines.deepspeed_zero import (
     DeepSpeedSettings,
@@ -30,10 +30,10 @@ from matrix.engines.deepspeed_zero import (
 )
 from matrix.engines.distributed import DistributedEngine, set_launcher_environment
 from matrix.engines.hf_trainer import HFTrainerEngine, TrainerRun
-from matrix.libraries import deepspeed as ds
-from matrix.libraries.trainer import training_arguments
-from matrix.measurements import dropout_off_rows_loss, evaluate_rows, generators_kept
-from matrix.precisions import Precision
+from matrix.engines.libraries import deepspeed as ds
+from matrix.engines.libraries.trainer import training_arguments
+from matrix.harness.measurements import dropout_off_rows_loss, evaluate_rows, generators_kept
+from matrix.precisions.policies import Precision
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         """On DeepSpeed the Trainer leaves clipping to DeepSpeed, and its config here sets no
         gradient_clipping (the Trainer fills in only an "auto"): DeepSpeed's own default applies,
         whatever TrainingArguments.max_grad_norm says."""
-        from matrix.libraries.deepspeed import default_gradient_clipping
+        from matrix.engines.libraries.deepspeed import default_gradient_clipping
 
         return default_gradient_clipping()
 

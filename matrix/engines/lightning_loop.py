@@ -18,19 +18,13 @@ from pathlib import Path
 
 import torch
 
-from matrix import checks
-from matrix.compiling import plain
-from matrix.engines.base import (
-    EngineSettings,
-    LibraryLoop,
-    LoopProgress,
-    Unsupported,
-    one_switch_unsupported,
-    register_with_compiled_twin,
-)
-from matrix.measurements import fresh_model, generators_kept, model_holding, return_from_library_device
-from matrix.precisions import Precision
-from matrix.schedule import SCHEDULE
+from matrix.checks import assertions as checks
+from matrix.engines.base import EngineSettings, Unsupported, one_switch_unsupported, register_with_compiled_twin
+from matrix.engines.library_loop import LibraryLoop, LoopProgress
+from matrix.grid.schedule import SCHEDULE
+from matrix.harness.compiling import plain
+from matrix.harness.measurements import fresh_model, generators_kept, model_holding, return_from_library_device
+from matrix.precisions.policies import Precision
 
 CHECKPOINT_FILE = "checkpoint.ckpt"
 # Lightning's Strategy.teardown() ends fit() and validate() with lightning_module.cpu()
@@ -147,7 +141,7 @@ class LightningEngine(LibraryLoop):
     def _run(self, state, model, training: bool, resumed: bool = False) -> LightningRun:
         lightning = _lightning()
         if self.compiled:
-            from matrix.compiling import compile_module
+            from matrix.harness.compiling import compile_module
 
             model = compile_module(model)
         run = LightningRun(trainer=None, module=lightning.CellModule(state, model))
@@ -249,13 +243,13 @@ class LightningEngine(LibraryLoop):
         """The resumed run's evaluation as it begins, under the precision plugin's own forward
         context, as Lightning validates; of a copy of its weights, so that evaluating leaves the
         run itself as fit() holds it (bitsandbytes' int8 layers keep state from a forward)."""
-        from matrix.quantization import float_tensors
+        from matrix.precisions.quantization import float_tensors
 
         model = plain(run.module.model)
         weights = model.state_dict() if state.precision.quantization is None else float_tensors(model)
         copy = model_holding(state, weights).eval()
         if self.compiled:  # evaluated as the resumed fit() would validate it: compiled
-            from matrix.compiling import compile_module
+            from matrix.harness.compiling import compile_module
 
             copy = compile_module(copy)
         with generators_kept(state), state.eval_grad_context(), run.trainer.precision_plugin.forward_context():

@@ -1,5 +1,5 @@
 """The torch engine: a hand-written loop with torch.autocast and torch.amp.GradScaler, the way the
-precisions are defined (matrix/precisions.py), and the checkpoint most such loops write: the
+precisions are defined (matrix/precisions/policies.py), and the checkpoint most such loops write: the
 model in its kind's own format, the optimizer's and grad scaler's state beside it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from matrix.compiling import compile_module, plain
 from matrix.engines.base import EngineSettings, Loop, LoopRun, register_with_compiled_twin
-from matrix.precisions import Precision, dtype_name
+from matrix.harness.compiling import compile_module, plain
+from matrix.precisions.policies import Precision, dtype_name
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 

@@ -1,16 +1,16 @@
 """Engine traits: what an engine's library does to a cell that a catalogue entry can select by
-(`engine_trait = ["casts-parameters"]`, `not_engine_trait = [...]` in matrix/known_failures.toml),
+(`engine_trait = ["casts-parameters"]`, `not_engine_trait = [...]` in matrix/catalogue/known_failures.toml),
 so a user's engine that declares a trait gets the entries of the mechanism, and one that declares
 none is selected by none of them.
 
 An engine declares its traits as class data (`traits = frozenset({...})`, base.py Engine.traits);
 its compiled twin has them too, plus the engine's `compiled_traits`. The one list of them, with
 what each means, is ENGINE_TRAITS; a trait not listed here is an error where it is declared
-(tests/test_conditions.py) or selected (matrix/catalogue.py).
+(tests/test_conditions.py) or selected (matrix/catalogue/entries.py).
 
 The traits also say which family of engines a loss curve is judged with (curve_family): engines
 whose library legitimately rounds a training step another way get rows measured on their own kind
-(matrix/curves.py FAMILIES, matrix/tolerances.py).
+(matrix/results/curves.py FAMILIES, matrix/checks/tolerances.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ENGINE_TRAITS: dict[str, str] = {
     ),
 }
 
-# the trait that puts an engine in a curve family (matrix/curves.py FAMILIES), the first one it declares
+# the trait that puts an engine in a curve family (matrix/results/curves.py FAMILIES), the first one it declares
 CURVE_FAMILY_BY_TRAIT: dict[str, str] = {
     "steps-master-weights": "master-weights",
     "casts-parameters": "casts-parameters",
@@ -39,8 +39,8 @@ CURVE_FAMILY_BY_TRAIT: dict[str, str] = {
 
 
 def curve_family(traits: frozenset[str]) -> str:
-    """The family whose measured spread an engine's loss curves are judged by (matrix/tolerances.py):
+    """The family whose measured spread an engine's loss curves are judged by (matrix/checks/tolerances.py):
     that of its first trait in CURVE_FAMILY_BY_TRAIT, else the default (the torch loop's own)."""
-    from matrix.curves import DEFAULT_FAMILY
+    from matrix.results.curves import DEFAULT_FAMILY
 
     return next((family for trait, family in CURVE_FAMILY_BY_TRAIT.items() if trait in traits), DEFAULT_FAMILY)

@@ -15,6 +15,10 @@
   hf_shrink.py, hf_shrink_rules.toml - tiny configs for any causal LM's model_type: the rules, as
                      data, and their interpreter
   standalone.py    - the kinds written out with the upstream libraries alone, for repro scripts
+  observation.py   - what the harness observes on a model kind: traits, loss items, frozen and
+                     gradless parameters
+  declared_dtypes.py - the dtypes weights must have, with what an architecture keeps in fp32
+  initial_weights.py - the saved initial weights and batch a run's models start from (--initial-weights)
 
 A new built-in kind is one file here that defines a ModelKind and calls register(); a
 downstream project's kind registers from its plugin or conftest the same way, and then runs
@@ -23,8 +27,8 @@ through every precision, mode, device and engine like the built-in ones.
 
 from __future__ import annotations
 
+from matrix.grid.registry import load_modules
 from matrix.models.base import MODELS, EvalOutput, ModelKind, register
-from matrix.registry import load_modules
 
 load_modules(__name__, skip=("base", "causal_lm", "hf", "hf_shrink"))
 

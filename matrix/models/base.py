@@ -1,5 +1,5 @@
 """What every model kind provides (ModelKind), what no variant changes (the vocabulary, the
-special tokens, the seeds; the sizes are the variant's, matrix/variants.py), the traits catalogue
+special tokens, the seeds; the sizes are the variant's, matrix/grid/variants.py), the traits catalogue
 selectors match (TRAITS), and the model axis' registry (MODELS).
 
 A model kind is a small factory in the spirit of transformers' model testers: it builds a
@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from matrix.precisions import Precision
-from matrix.registry import Registry
-from matrix.variants import MAX_POSITIONS, InvalidVariant, Variant, check_common
+from matrix.grid.registry import Registry
+from matrix.grid.variants import MAX_POSITIONS, InvalidVariant, Variant, check_common
+from matrix.precisions.policies import Precision
 
 # What no variant changes. The sizes the grid runs with are Variant's defaults
-# (matrix/variants.py); each kind's grid_variant says how its batch is padded.
+# (matrix/grid/variants.py); each kind's grid_variant says how its batch is padded.
 VOCAB_SIZE = 99
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 INIT_SEED = 0
@@ -30,9 +30,9 @@ PRETRAINED_FP32 = "pretrained-fp32"  # under a cell's workdir: the kind's fp32 w
 BATCH_SEED = 1234
 
 # What a model kind is, as far as known failures care: catalogue entries can select cells by
-# trait (matrix/known_failures.toml, `trait = [...]`), so a failure class known for the
+# trait (matrix/catalogue/known_failures.toml, `trait = [...]`), so a failure class known for the
 # built-in kinds is recognised in a user's kind that has the same trait. Each is observed on
-# the built model (matrix/observation.py); a kind may declare its own set instead (`traits`).
+# the built model (matrix/models/observation.py); a kind may declare its own set instead (`traits`).
 TRAITS: dict[str, str] = {
     "full-weights": "trains its weights (at least half of its parameters), held in the precision's weights dtype",
     "adapters": "trains a minority of its parameters (adapters over a frozen base)",
@@ -142,14 +142,14 @@ class ModelKind(abc.ABC):
     grid_variant: Variant = Variant()
     # the Variant fields this kind reads: what exploration varies and reports record
     variant_fields: tuple[str, ...] = ("seq_len", "padding", "pad_counts")
-    # keys of TRAITS. None: observed on the built model (matrix/observation.py); a kind may
+    # keys of TRAITS. None: observed on the built model (matrix/models/observation.py); a kind may
     # declare its set instead, which then replaces the observed one in catalogue selection
     traits: frozenset[str] | None = None
-    explorable = True  # False: exploration (matrix/explore.py) has no variants of it to draw
-    learning_rate: float | None = None  # AdamW's, in every engine; None: searched (matrix/learning_rate.py)
+    explorable = True  # False: exploration (matrix/explore/exploration.py) has no variants of it to draw
+    learning_rate: float | None = None  # AdamW's, in every engine; None: searched (matrix/harness/learning_rate.py)
     # trains adapters over a frozen base, which may be quantized (the quantized precisions)
     quantizable = False
-    # the packages it needs beyond torch, as pip names them (matrix/packages.py): without one its
+    # the packages it needs beyond torch, as pip names them (matrix/grid/packages.py): without one its
     # cells skip and build() raises, naming it and how to install it
     requires: tuple[str, ...] = ()
 
@@ -176,14 +176,14 @@ class ModelKind(abc.ABC):
     def skip_reason(self, device: str) -> str | None:
         """Why this kind cannot run on `device` here ("Requires: [...] (...)"), or None: by default
         a package it requires is not installed. A kind with reasons of its own asks super() first."""
-        from matrix import packages
+        from matrix.grid import packages
 
         return packages.skip_reason(self.requires)
 
     def require(self, precision: Precision | None = None) -> None:
         """Raise MissingPackage where a package this kind (or the quantized base `precision`
         asks for) needs is absent: the line its cells skip with, before any library is asked."""
-        from matrix import packages
+        from matrix.grid import packages
 
         needs = (*self.requires, *(precision.requires if precision is not None else ()))
         packages.require(needs, f"the {self.name} model kind")
@@ -192,7 +192,7 @@ class ModelKind(abc.ABC):
         """Why this kind cannot run `precision` here ("Requires: [...] (...)"), or None: a
         quantized base needs a kind that trains adapters over it, and bitsandbytes; float8, torchao."""
         if precision.float8 is not None:
-            from matrix import packages
+            from matrix.grid import packages
 
             return packages.skip_reason(precision.float8.requires)
         if precision.quantization is None:
@@ -202,7 +202,7 @@ class ModelKind(abc.ABC):
                 f"Requires: [adapters to train over a quantized base] ({self.name} trains its own weights; "
                 f"{precision.quantization.scheme} weights take no gradient)"
             )
-        from matrix.quantization import skip_reason
+        from matrix.precisions.quantization import skip_reason
 
         return skip_reason()
 
@@ -252,8 +252,8 @@ class ModelKind(abc.ABC):
     def loss_items(self, batch: dict[str, torch.Tensor]) -> int:
         """How many items loss() averages over in `batch` (some rows of the fixed batch, when
         the distributed engines split it across ranks): by the rule observed on the kind's own
-        loss (matrix/observation.py: next-token labels, labels, attention mask or rows)."""
-        from matrix.observation import observe
+        loss (matrix/models/observation.py: next-token labels, labels, attention mask or rows)."""
+        from matrix.models.observation import observe
 
         return observe(self).count(batch)
 
@@ -275,7 +275,7 @@ class ModelKind(abc.ABC):
 
     # A quantizable kind (quantizable = True) builds its adapters over the base build() gets from
     # load_quantized(), and load() puts saved adapters over a base loaded so again. The saves a
-    # quantized cell also checks (pipeline.check_quantized_saves) have peft's defaults below.
+    # quantized cell also checks (round_trips.check_quantized_saves) have peft's defaults below.
 
     def load_quantized(self, directory: Path, precision: Precision, device: torch.device) -> nn.Module:
         """The library's loading API with the precision's quantization (from_pretrained(...,
@@ -294,7 +294,7 @@ class ModelKind(abc.ABC):
 
         from peft import PeftModel
 
-        from matrix.quantization import prepare_for_training
+        from matrix.precisions.quantization import prepare_for_training
 
         local_directory(adapters)
         model = self.load_quantized(base, replace(precision, quantization=None), device)
@@ -317,7 +317,7 @@ class ModelKind(abc.ABC):
         """Whether the model build() gives (or, `reloaded`, the one load() gives) comes from the
         library's loading API asked for the precision's dtype (from_pretrained(dtype=...)),
         which keeps the modules an architecture declares fp32 in fp32, rather than from a cast,
-        which does not (matrix/declared_dtypes.py). load() goes through load_weights()."""
+        which does not (matrix/models/declared_dtypes.py). load() goes through load_weights()."""
         return reloaded or precision.weights_from == "load"
 
     def precision_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from matrix.grid.variants import InvalidVariant, Variant
 from matrix.models import base
 from matrix.models.hf import dtype_argument, transformers_class
-from matrix.observation import IGNORE_INDEX  # the label transformers' causal LM loss skips
-from matrix.variants import InvalidVariant, Variant
+from matrix.models.observation import IGNORE_INDEX  # the label transformers' causal LM loss skips
 
 DECODER_FIELDS = (
     *base.ModelKind.variant_fields,

@@ -1,9 +1,9 @@
 """gemma-cache: transformers Gemma3 text model with alternating sliding-window and global
 layers, KV cache on in evaluation, and generate() as part of evaluating (seed 001's setting)."""
 
+from matrix.grid.variants import InvalidVariant, Variant
 from matrix.models.base import register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
-from matrix.variants import InvalidVariant, Variant
 
 
 class GemmaCache(CausalLMKind):

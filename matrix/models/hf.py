@@ -13,7 +13,7 @@ from importlib.metadata import version
 
 from packaging.version import Version
 
-from matrix import packages
+from matrix.grid import packages
 
 
 @functools.cache

@@ -7,7 +7,7 @@ is; a folder that also holds weights is loaded with from_pretrained, as users lo
 is the one the config's `architectures` names when that is a causal LM or a sequence
 classifier, else transformers' causal-LM class for its model type.
 
-The kinds are made on demand (matrix/registry.py provide): the first lookup of such a name
+The kinds are made on demand (matrix/grid/registry.py provide): the first lookup of such a name
 builds the kind, in the process that asked (the runner, pytest, a rank, a repro command).
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from matrix import packages
+from matrix.grid import packages
+from matrix.grid.variants import InvalidVariant, Variant
 from matrix.models import base
 from matrix.models.causal_lm import CausalLMKind
 from matrix.models.hf import dtype_argument, transformers
-from matrix.variants import InvalidVariant, Variant
 
 PREFIX = "hf:"
 GENERATE_TOKENS = 4  # generate() in evaluation adds this many, where the architecture has a cache
@@ -255,7 +255,7 @@ def every_causal_lm() -> tuple[str, ...]:
     as hf:* without transformers: a usage error naming it)."""
     absent = packages.skip_reason(HfArchitecture.requires)
     if absent:
-        from matrix.cell import SelectionError
+        from matrix.grid.cell import SelectionError
 
         raise SelectionError(f"--model: {absent}: the hf: kinds are transformers' own classes")
     from matrix.models.hf_shrink import causal_lm_types

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from matrix.variants import Variant
+from matrix.grid.variants import Variant
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

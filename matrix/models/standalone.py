@@ -1,7 +1,7 @@
-"""Standalone forms of the built-in model kinds, for reproduction scripts (matrix/repro/):
+"""Standalone forms of the built-in model kinds, for reproduction scripts (matrix/releases/repro/):
 the code that defines create(), save(), load_weights(), loss_of() and evaluate_model() with
 the upstream libraries alone (a decoder also load_quantized(), for a quantized base under LoRA:
-matrix/repro/parts/quantized.py). Each kind's standalone_code() fills one in (models/base.py); a
+matrix/releases/repro/parts/quantized.py). Each kind's standalone_code() fills one in (models/base.py); a
 plugin's kind gets code that builds it through its own module (plugin_code)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """tiny-llama: transformers LlamaForCausalLM from a tiny config (GQA, RoPE, RMSNorm)."""
 
+from matrix.grid.variants import InvalidVariant
 from matrix.models.base import register
 from matrix.models.causal_lm import CausalLMKind
-from matrix.variants import InvalidVariant
 
 
 class TinyLlama(CausalLMKind):

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from matrix.grid.variants import InvalidVariant, Variant
 from matrix.models import base
 from matrix.models.base import register
-from matrix.variants import InvalidVariant, Variant
 
 NUM_CLASSES = 4
 WEIGHTS_FILE = "model.safetensors"

@@ -24,7 +24,12 @@ here with torch blocked). SCHEMA_VERSION, below, is results.json's.
   journal.py       - reports/<run-id>/cells.jsonl, written as cells run
   files.py         - reading a results.json back, checked field by field
   compare.py       - python -m matrix diff
-  merge.py         - python -m matrix merge
+  curves.py        - loss curves: a training cell's curve against its references step by step (the
+                     rows' arithmetic), golden curves per stack (matrix/golden/)
+  signatures.py    - a failure's signature: phase, exception type, normalized message, origin
+  module_moves.py  - where each module of the flat package lives now: the names signatures are
+                     written with, and the old import paths (deprecated)
+  recording.py     - a run's recording: directory, journal, report (no pytest)
   crash_dump.py    - what a record keeps of a traceback, or of a dead process's stacks
   sweep_table.py   - a release sweep's tables (sweep.md, sweep.html) and docs/RELEASES.md
   gpu_findings.py  - docs/gpu-findings.md, from the GPU runs kept in docs/gpu-runs/

@@ -22,7 +22,7 @@ failure whose signature changed is in `signature-changed` and `known-stopped`):
   drift              passed in both, but the deviation from the fp32 reference grew by more than
                      a fraction of the cell's tolerance (DRIFT_FRACTION below, --drift-threshold)
   curve-moved        trained in both, and the new training loss curve left the old one's row at
-                     some step (the row the cell records: matrix/curves.py); named by that step.
+                     some step (the row the cell records: matrix/results/curves.py); named by that step.
                      Against golden curves (matrix/golden/, a slim run) it is what a release did
                      to training
   order-flip         the runs ran their cells in different orders (--order-seed), the cell's
@@ -42,8 +42,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from matrix import curves
-from matrix.packages import STACK
+from matrix.grid.packages import STACK
+from matrix.results import curves
 from matrix.results.metrics import CellMetrics, Tolerance
 
 CATEGORIES = (
@@ -63,7 +63,7 @@ CATEGORIES = (
 )
 DEFAULT_FAIL_ON = ("new", "missing")
 # Drift is growth of a cell's |loss - fp32 loss| by more than this fraction of what its
-# tolerance row allows (matrix/tolerances.py): a cell that moved a quarter of the way to
+# tolerance row allows (matrix/checks/tolerances.py): a cell that moved a quarter of the way to
 # failing in one night is worth a look before it fails.
 DRIFT_FRACTION = 0.25
 FAILING = ("failed", "known")
@@ -76,7 +76,7 @@ class Diff:
     packages: dict[str, tuple]  # name -> (old version, new version), only those that differ
     changes: dict[str, list[dict]] = field(default_factory=lambda: {c: [] for c in CATEGORIES})
     unchanged: int = 0
-    # the release that broke each new failure (matrix/release_bisect.py), when the diff was
+    # the release that broke each new failure (matrix/releases/new_failures.py), when the diff was
     # asked to bisect (--bisect-budget)
     bisections: list[dict] = field(default_factory=list)
 

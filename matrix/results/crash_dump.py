@@ -37,7 +37,7 @@ MODULES = "Extension modules:"
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*\(most recent call first\):$")
 _TOTAL = re.compile(r"\(total: (\d+)\)\s*$")
 # Lines that start a part of a traceback of its own: Python's chaining, and a rank's traceback
-# appended to the driver's (matrix/execute.py).
+# appended to the driver's (matrix/execute/cell_run.py).
 CHAIN_LINES = (
     "The above exception was the direct cause of the following exception:",
     "During handling of the above exception, another exception occurred:",

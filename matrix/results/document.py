@@ -43,8 +43,8 @@ def results_document(
     kind_setups: list[dict] = (),
     missing: list[dict] = (),
 ) -> dict:
-    """The whole run; `precisions` is the table the cells ran with (matrix/precisions.py table());
-    `kind_setups`: each kind's one-time work, per process (matrix/kind_setup.py); `missing`: the
+    """The whole run; `precisions` is the table the cells ran with (matrix/precisions/policies.py table());
+    `kind_setups`: each kind's one-time work, per process (matrix/harness/kind_setup.py); `missing`: the
     cells selected (by this run or, merged, by its shards' plan) that never reported, each with
     the shard that was to run it."""
     records = sorted(records, key=lambda r: (r["device"], r["mode"], r["model"], r["engine"], r["precision"]))

@@ -2,7 +2,7 @@
 
 A precision declares an autocast dtype (results.json `metrics.declared.autocast_dtype`); the
 cell records the autocast really in force in the model's first forward
-(`metrics.effective.autocast_dtype_in_forward`, matrix/measurements.py). Where the two differ,
+(`metrics.effective.autocast_dtype_in_forward`, matrix/harness/measurements.py). Where the two differ,
 the engine ran something else than the precision's name says: on a CPU, accelerate and the
 Trainer run fp16 mixed precision without autocast, Lightning turns 16-mixed into bf16-mixed. Such
 a cell can pass every check and still say nothing about the precision it is filed under, so the

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from matrix.cell import AXES
+from matrix.grid.cell import AXES
 from matrix.results import SCHEMA_VERSION
 
 SCHEMA_FILE = Path(__file__).with_name("results.schema.json")  # the JSON Schema results.json follows
 # 4 added per-cell placement and rerun, shards; 5 the per-cell traceback (None where a file has none)
 READABLE_SCHEMA_VERSIONS = (3, 4, SCHEMA_VERSION)
-# What every cell record holds: its axes (matrix/cell.py) and one of the outcomes.
+# What every cell record holds: its axes (matrix/grid/cell.py) and one of the outcomes.
 # inapplicable: passed where an entry's hardware condition does not hold here (not applicable here)
 OUTCOMES = ("passed", "known", "fixed", "inapplicable", "failed", "skipped")
 CELL_FIELDS = ("id", *AXES, "outcome", "signature", "metrics")

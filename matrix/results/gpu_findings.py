@@ -358,7 +358,7 @@ def render(runs_dir: Path = RUNS, page: Path = PAGE) -> str:
         'A signature\'s catalogue entry is the one that claimed its cells in that run; "new here" means '
         "no entry of the catalogue of that commit did, which says nothing about a regression (no baseline "
         "was compared). Entries written since cite the runs they settled in their notes "
-        "(`matrix/known_failures.toml`).",
+        "(`matrix/catalogue/known_failures.toml`).",
         "",
     ]
     lines += coverage(all_sessions)

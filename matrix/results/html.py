@@ -22,8 +22,8 @@ import math
 import re
 from urllib.parse import quote, urlsplit
 
-from matrix.curves import share_words
 from matrix.results import tracebacks
+from matrix.results.curves import share_words
 from matrix.results.exercised import asked_and_ran, not_exercised_line, passed_without_precision, ran_instead
 from matrix.results.files import AXES, OUTCOMES, hardware_line
 from matrix.results.metrics import CellMetrics, Curve, CurveComparison, at_step, given, recorded_float
@@ -195,7 +195,7 @@ def cell_links(cell_ids) -> str:
 # ------------------------------------------------------------------ loss curves
 
 # the curves a training cell's panel draws: its own (curve.losses, the applied steps'), then its references
-# (matrix/curves.py), each with a colour, a dash pattern and a marker shape of its own, so that a
+# (matrix/results/curves.py), each with a colour, a dash pattern and a marker shape of its own, so that a
 # reference drawn over an identical curve still shows
 CURVE_SERIES = (
     ("cell", "the cell", "#1f5fbf", "", "circle"),
@@ -417,7 +417,7 @@ def curve_lines(metrics: dict) -> list[tuple[str, str]]:
 
 
 def row_name(comparison: CurveComparison) -> str | None:
-    """The name of the row that judged the comparison ("master-weights bfloat16": matrix/tolerances.py
+    """The name of the row that judged the comparison ("master-weights bfloat16": matrix/checks/tolerances.py
     names the rows it derives); None for a row without one (an older run's)."""
     tolerance = given(comparison.tolerance)
     row = tolerance.get("row") if isinstance(tolerance, dict) else None
@@ -754,7 +754,7 @@ def unexercised_section(document: dict) -> str:
 
 
 def kind_setups_section(document: dict) -> str:
-    """Each kind's one-time work before its first cell (matrix/kind_setup.py)."""
+    """Each kind's one-time work before its first cell (matrix/harness/kind_setup.py)."""
     setups = document.get("kind_setups") or []
     if not setups:
         return ""
@@ -791,7 +791,7 @@ def leaks_table(leaks: list[dict]) -> str:
 
 
 def leaked_state_section(document: dict) -> str:
-    """The cells that left process-global state changed (matrix/global_state.py), as summary.md
+    """The cells that left process-global state changed (matrix/harness/global_state.py), as summary.md
     lists them: each cell's own finding, put back before the next cell."""
     rows = [
         [
@@ -898,7 +898,7 @@ def known_failures_section(document: dict) -> str:
         for entry_id, e in entries.items()
     )
     return (
-        '<section id="known-failures"><h2>Known failures (matrix/known_failures.toml)</h2><table class="kv">'
+        '<section id="known-failures"><h2>Known failures (matrix/catalogue/known_failures.toml)</h2><table class="kv">'
         "<tr><th>entry</th><th>kind</th><th>upstream</th><th>link</th><th>known cells</th>"
         f"<th>fixed cells</th><th>not applicable here</th></tr>{rows}</table></section>"
     )

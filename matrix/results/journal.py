@@ -67,7 +67,7 @@ class Journal:
         self.write("start", cell=cell_id, axes=axes, rerun=rerun, pid=os.getpid())
 
     def set_up(self, cell_id: str, kind_setup: dict | None = None) -> None:
-        """The cell's setup is done, its kind's one-time work (matrix/kind_setup.py) with it:
+        """The cell's setup is done, its kind's one-time work (matrix/harness/kind_setup.py) with it:
         the cell's own clock starts here."""
         self.write("set_up", cell=cell_id, kind_setup=kind_setup)
 
@@ -92,7 +92,7 @@ class JournalState:
     started: dict[str, tuple[float, dict]] = field(default_factory=dict)  # cell id -> (start time, axes)
     reruns: dict[str, str | None] = field(default_factory=dict)  # cell id -> its re-run command
     set_up: set[str] = field(default_factory=set)  # cells whose setup (their kind's one-time work) is done
-    kind_setups: list[dict] = field(default_factory=list)  # matrix/kind_setup.py's records
+    kind_setups: list[dict] = field(default_factory=list)  # matrix/harness/kind_setup.py's records
 
     def in_flight(self) -> dict[str, tuple[float, dict]]:
         """Cells that started and have no record: running now, or running when the process died."""

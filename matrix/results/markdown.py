@@ -33,7 +33,7 @@ from matrix.results.run_them import command
 SUMMARY_TRACEBACK_LIMIT = 4000
 # "Loss curves: the worst deviations" lists this many comparisons, the nearest their rows first
 CURVE_ROWS = 10
-# a cell's curve record's comparisons (matrix/curves.py), in the order the section counts them
+# a cell's curve record's comparisons (matrix/results/curves.py), in the order the section counts them
 CURVE_REFERENCES = (("torch_engine", "torch engine"), ("fp32_twin", "fp32 twin"))
 
 
@@ -288,7 +288,7 @@ def summary_markdown(document: dict) -> str:
             lines.append(f"| {key} | {_md(reason)} | {count} |")
 
     if document["known_failures"]:
-        lines += ["", "## Known failures (matrix/known_failures.toml)", ""]
+        lines += ["", "## Known failures (matrix/catalogue/known_failures.toml)", ""]
         lines += [
             "| entry | kind | upstream | known cells | fixed cells | not applicable here |",
             "|---|---|---|---|---|---|",
@@ -352,7 +352,7 @@ def share_text(share: float) -> str:
 
 
 def curve_comparisons(cells: list[dict]) -> tuple[int, list[tuple[dict, str, CurveComparison]], int]:
-    """Of the cells' loss curves (matrix/curves.py): how many cells record one; each (cell,
+    """Of the cells' loss curves (matrix/results/curves.py): how many cells record one; each (cell,
     reference, comparison) that was compared (it has a worst step); how many references failed
     themselves (nothing to compare with)."""
     recorded, compared, failed = 0, [], 0
@@ -374,7 +374,7 @@ def curve_comparisons(cells: list[dict]) -> tuple[int, list[tuple[dict, str, Cur
 
 
 def curves_markdown(cells: list[dict]) -> list[str]:
-    """The training cells' loss curves that came nearest their rows or left them (matrix/curves.py),
+    """The training cells' loss curves that came nearest their rows or left them (matrix/results/curves.py),
     against either reference, the largest share of what the row allows first: at most CURVE_ROWS.
     Nothing where no cell recorded a curve."""
     recorded, compared, failed = curve_comparisons(cells)
@@ -399,7 +399,8 @@ def curves_markdown(cells: list[dict]) -> list[str]:
         + (
             f". The {min(len(deviating), CURVE_ROWS)} nearest their rows or past them, the largest share of what "
             "the row allows first (a row allows atol + rtol x |reference| + per_step x (step - 1); a named row is "
-            "derived from the measured spread of the right engines of its engine family, matrix/curve_spread.json):"
+            "derived from the measured spread of the right engines of its engine family, "
+            "matrix/checks/curve_spread.json):"
             if deviating
             else "."
         ),
@@ -427,7 +428,7 @@ def curves_markdown(cells: list[dict]) -> list[str]:
         if steps is None and isinstance(given(comparison.deviations), list):
             steps = len(comparison.deviations)
         share = share_text(recorded_float(comparison.worst_share))
-        # the row's name where the run recorded one (matrix/tolerances.py: its engine family and dtype)
+        # the row's name where the run recorded one (matrix/checks/tolerances.py: its engine family and dtype)
         tolerance = given(comparison.tolerance)
         named = tolerance.get("row") if isinstance(tolerance, dict) else None
         row = f"the {_md(named)} row" if isinstance(named, str) and named else "the row"
@@ -469,7 +470,7 @@ def not_run_markdown(shown) -> list[str]:
 
 
 def kind_setups_markdown(setups: list[dict]) -> list[str]:
-    """Each kind's one-time work (matrix/kind_setup.py): done before its first cell, per process,
+    """Each kind's one-time work (matrix/harness/kind_setup.py): done before its first cell, per process,
     under its own budget; the first cell's time does not include it."""
     if not setups:
         return []
@@ -494,8 +495,8 @@ def kind_setups_markdown(setups: list[dict]) -> list[str]:
 
 
 def model_kinds_markdown(cells: list[dict]) -> list[str]:
-    """What the harness observed about each model kind (matrix/observation.py) and the learning
-    rate it trained at (matrix/learning_rate.py), from the first cell that recorded them."""
+    """What the harness observed about each model kind (matrix/models/observation.py) and the learning
+    rate it trained at (matrix/harness/learning_rate.py), from the first cell that recorded them."""
     kinds: dict[str, KindRecord] = {}
     rates: dict[str, LearningRate] = {}
     for cell in cells:
@@ -514,7 +515,7 @@ def model_kinds_markdown(cells: list[dict]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for model, kind in kinds.items():
-        observed = kind.observed  # matrix/observation.py Observation.as_dict()
+        observed = kind.observed  # matrix/models/observation.py Observation.as_dict()
         traits = ", ".join(kind.traits) + (" (declared)" if kind.declared_traits is not None else "")
         if observed.get("error"):
             traits += f"; observing failed: {observed['error']}"
@@ -533,7 +534,7 @@ def exploration_markdown(explorations: list[dict]) -> list[str]:
     findings = [f for e in ran for f in e["findings"]]
     lines = [
         "",
-        "## Explorations (hypothesis, matrix/explore.py)",
+        "## Explorations (hypothesis, matrix/explore/exploration.py)",
         "",
         f"{len(ran)} targets explored, {sum(e['examples_run'] for e in ran)} variants run, "
         f"{sum(f['status'] == 'new' for f in findings)} new and {sum(f['status'] == 'known' for f in findings)} "

@@ -1,4 +1,4 @@
-"""A cell's metrics, typed: what its phases measured (CellState.metrics, matrix/pipeline.py) and what
+"""A cell's metrics, typed: what its phases measured (CellState.metrics, matrix/harness/pipeline.py) and what
 results.json's `cells[].metrics` holds. Standard library only: the readers of a results.json
 (diff, Markdown) read it with nothing but this module.
 
@@ -124,7 +124,7 @@ def _fields(cls) -> list[dataclasses.Field]:
 
 @dataclass(slots=True)
 class Tolerance(Record):
-    """A tolerance as matrix/tolerances.py Tolerance.as_dict() writes it: |a - b| <= atol + rtol * |b|."""
+    """A tolerance as matrix/checks/tolerances.py Tolerance.as_dict() writes it: |a - b| <= atol + rtol * |b|."""
 
     atol: float | None = UNSET
     rtol: float | None = UNSET
@@ -132,16 +132,16 @@ class Tolerance(Record):
 
 @dataclass(slots=True)
 class KindRecord(Record):
-    """What the report records of the cell's model kind (matrix/kind_traits.py kind_record)."""
+    """What the report records of the cell's model kind (matrix/harness/kind_traits.py kind_record)."""
 
     traits: list | None = UNSET  # the traits catalogue selectors match
     declared_traits: list | None = UNSET  # the traits the kind declares; null: observed
-    observed: dict | None = UNSET  # matrix/observation.py Observation.as_dict()
+    observed: dict | None = UNSET  # matrix/models/observation.py Observation.as_dict()
 
 
 @dataclass(slots=True)
 class Effective(Record):
-    """What is actually in force, not only what the precision's name promises (matrix/measurements.py)."""
+    """What is actually in force, not only what the precision's name promises (matrix/harness/measurements.py)."""
 
     parameter_dtypes: dict | None = UNSET  # dtype -> element count, every parameter
     trainable_parameter_dtypes: dict | None = UNSET  # dtype -> element count, trainable ones
@@ -161,7 +161,7 @@ class Effective(Record):
 
 @dataclass(slots=True)
 class LearningRate(Record):
-    """The learning rate the cell trained at (matrix/learning_rate.py LearningRate.as_dict())."""
+    """The learning rate the cell trained at (matrix/harness/learning_rate.py LearningRate.as_dict())."""
 
     value: float | None = UNSET  # AdamW's learning rate
     source: str | None = UNSET  # declared | calibrated
@@ -187,7 +187,7 @@ class Distributed(Record):
 @dataclass(slots=True)
 class CrossEngine(Record):
     """The cell's first-step (or eval) loss against the torch engine's on a fresh model
-    (matrix/pipeline.py check_agrees_with_torch_engine); only one pair of losses is set."""
+    (matrix/harness/pipeline.py check_agrees_with_torch_engine); only one pair of losses is set."""
 
     first_step_loss: float | None = UNSET  # this engine's first training step's loss
     torch_engine_first_step_loss: float | None = UNSET  # the torch engine's
@@ -203,11 +203,11 @@ class CrossEngine(Record):
 
 @dataclass(slots=True)
 class CurveComparison(Record):
-    """A training cell's losses step by step against one reference's (matrix/curves.py)."""
+    """A training cell's losses step by step against one reference's (matrix/results/curves.py)."""
 
     reference: str | None = UNSET  # "torch engine" (the same precision) or "fp32 twin"
     reference_losses: list | None = UNSET  # the reference's losses, step by step
-    tolerance: dict | None = UNSET  # the row: atol, rtol, per_step (matrix/tolerances.py)
+    tolerance: dict | None = UNSET  # the row: atol, rtol, per_step (matrix/checks/tolerances.py)
     steps_compared: int | None = UNSET  # the steps both took
     deviations: list | None = UNSET  # |loss - reference loss| per step compared
     allowed: list | None = UNSET  # what the row allows at each step
@@ -215,7 +215,7 @@ class CurveComparison(Record):
     worst_step: int | None = UNSET  # the step nearest its limit
     worst_share: float | None = UNSET  # its deviation as a share of what the row allows there
     # the half dtype a side's losses were handed over in ({"losses": "bfloat16"}): half a step of it
-    # is in `allowed` (matrix/curves.py compare)
+    # is in `allowed` (matrix/results/curves.py compare)
     rounding: dict | None = UNSET
     unchecked: str | None = UNSET  # why the curve was not compared with this reference
     reference_error: str | None = UNSET  # the reference's own failure (its signature text), instead
@@ -246,7 +246,7 @@ class LossDecrease(Record):
 
 @dataclass(slots=True)
 class Quantized(Record):
-    """A quantized base (matrix/quantization.py): its storage, its two deviations, its saves."""
+    """A quantized base (matrix/precisions/quantization.py): its storage, its two deviations, its saves."""
 
     storage: dict | None = UNSET  # quantized layers, their storage dtype, what stayed unquantized
     fp32_reference: str | None = UNSET  # what the cell's fp32_reference_loss is computed from
@@ -261,7 +261,7 @@ class Quantized(Record):
 
 @dataclass(slots=True)
 class Float8Record(Record):
-    """float8 training (matrix/float8.py): what was converted, and how far its outputs are from fp32."""
+    """float8 training (matrix/precisions/float8.py): what was converted, and how far its outputs are from fp32."""
 
     converted: list | None = UNSET  # the Float8Linear layers of the run's model, observed after prepare
     left_out: dict | None = UNSET  # the Linear layers left in high precision -> why
@@ -270,7 +270,7 @@ class Float8Record(Record):
 
 @dataclass(slots=True)
 class Compiled(Record):
-    """torch.compile (matrix/compiling.py): what was compiled, per phase, and the eager twin's agreement."""
+    """torch.compile (matrix/harness/compiling.py): what was compiled, per phase, and the eager twin's agreement."""
 
     how: str | None = UNSET  # how the engine's library compiles the model
     graphs_by_phase: dict | None = UNSET  # phase -> graphs Dynamo compiled in it
@@ -283,13 +283,13 @@ class Compiled(Record):
     eager_loss: float | None = UNSET  # the same weights evaluated eagerly (the eager twin)
     eager_deviation_abs: float | None = UNSET  # |compiled eval loss - eager eval loss|
     eager_logits_max_abs_difference: float | None = UNSET  # the largest |compiled logit - eager logit|
-    eager_tolerance: Tolerance | None = UNSET  # what the loss deviation may be (matrix/tolerances.py)
+    eager_tolerance: Tolerance | None = UNSET  # what the loss deviation may be (matrix/checks/tolerances.py)
     comparison: str | None = UNSET  # within a tolerance row, or bit for bit under emulate_precision_casts
 
 
 @dataclass(slots=True)
 class Resume(Record):
-    """A resumed step k+1 against the same run uninterrupted (matrix/resume.py)."""
+    """A resumed step k+1 against the same run uninterrupted (matrix/harness/resume.py)."""
 
     optimizer_state_tensors: int | None = UNSET  # optimizer state tensors held at the save (this rank's)
     optimizer_state_restored: bool | None = UNSET  # all of them back bit for bit after the reload

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from matrix.cell import AXES
+from matrix.grid.cell import AXES
 
 # how a line names the values of an axis; the axes in the order a line reads them
 AXIS_WORDS = {"device": "device", "mode": "mode", "engine": "engine", "model": "model", "precision": "precision"}

@@ -1,7 +1,7 @@
 """One record per cell, typed: what results.json's `cells` hold (matrix/results/results.schema.json).
 
 A record is made once, complete, where its outcome is known: run_cell's result
-(matrix/execute.py), a skip, a timeout, a crash, or a failure outside run_cell. Nothing edits
+(matrix/execute/cell_run.py), a skip, a timeout, a crash, or a failure outside run_cell. Nothing edits
 it afterwards. `as_dict()` is its JSON form, in the schema's field order; its `metrics` are a
 CellMetrics (matrix/results/metrics.py), written as the fields that were measured.
 
@@ -18,10 +18,10 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from matrix.cell import Cell
+from matrix.grid.cell import Cell
 from matrix.results import crash_dump
 from matrix.results.metrics import CellMetrics
-from matrix.signatures import Signature, signature_of_crash
+from matrix.results.signatures import Signature, signature_of_crash
 
 TIMEOUT_SIGNATURE_MESSAGE = "the cell did not finish within the per-cell timeout"
 
@@ -48,7 +48,7 @@ class CellRecord:
     cuda_index: int | None = None  # the accelerator's index, for a cell on an indexed device
     device_name: str | None = None
     rerun: str | None = None  # the command that re-runs just this cell
-    # the process-global settings the cell left changed, put back after it (matrix/global_state.py):
+    # the process-global settings the cell left changed, put back after it (matrix/harness/global_state.py):
     # {setting, before, after, phase, restored}; a finding of this cell, never of the next one
     leaked_state: list = field(default_factory=list)
 
@@ -73,8 +73,8 @@ class CellRecord:
 
 
 def known_failure_record(entry, not_holding: list[str] | None = None) -> dict:
-    """A catalogue entry (matrix/catalogue.py Entry) as a cell record names it: with the conditions
-    it is in force under (`when`, matrix/conditions.py) and, for a cell it does not apply to here
+    """A catalogue entry (matrix/catalogue/entries.py Entry) as a cell record names it: with the conditions
+    it is in force under (`when`, matrix/catalogue/conditions.py) and, for a cell it does not apply to here
     (inapplicable), the hardware conditions that do not hold on this machine (`not_holding`)."""
     record = {
         "id": entry.id,

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from matrix.cell import Cell
+from matrix.grid.cell import Cell
 from matrix.results import journal
 from matrix.results.compatibility import compatibility_markdown
 from matrix.results.document import results_document

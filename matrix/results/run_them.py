@@ -3,10 +3,10 @@ Standard library only.
 
 A cell left out for a missing package or device can run elsewhere: RUNNERS says, for each such
 requirement (what a skip reason names in "Requires: [...]"), what makes it available (the pip
-command of matrix/packages.py, or a machine) and the nox session whose own selection runs such
+command of matrix/grid/packages.py, or a machine) and the nox session whose own selection runs such
 cells. A line of "Not run here" names that session where its selection holds every cell of the
 line; otherwise the install and the `python -m matrix run cases` selection of exactly those
-cells (tests/test_report.py checks each row against noxfile.py and matrix/stacks.toml). A cell
+cells (tests/test_report.py checks each row against noxfile.py and matrix/releases/stacks.toml). A cell
 skipped for what no machine gives it (a precision its kind cannot take, a one-process engine's
 reduce precision) has no command: nothing runs it.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from matrix.packages import install_hint
+from matrix.grid.packages import install_hint
 from matrix.results.reach import LISTED_AT_MOST, SCOPE_ORDER, NotRun
 
 DEEPSPEED_ENGINES = ("deepspeed-zero0", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")
@@ -32,7 +32,7 @@ class Runner:
     session: str | None = None  # a nox session whose own selection runs such cells; None: none does
     # the cells `session` runs, by axis (pytest's --engine, --model, ...); an axis not named: every value
     selects: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    install: str | None = None  # what to get first; None: the pip command of matrix/packages.py
+    install: str | None = None  # what to get first; None: the pip command of matrix/grid/packages.py
 
     def how_to_install(self) -> str:
         return self.install or install_hint(self.needs[0])

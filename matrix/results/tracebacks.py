@@ -26,7 +26,7 @@ from pathlib import Path
 
 from matrix.results.crash_dump import CHAIN_LINES
 
-RANK_LINE = "raised in the rank as:"  # matrix/execute.py: what joins the rank's traceback to the driver's
+RANK_LINE = "raised in the rank as:"  # matrix/execute/cell_run.py: what joins the rank's traceback to the driver's
 _FILE = re.compile(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
 # The entries of the matrix package (modules and subpackages): a frame is the harness's when its
 # file sits in a directory named matrix, under one of these (on this machine or the one that ran).

@@ -14,9 +14,9 @@ import os
 import torch
 from torch import nn
 
+from matrix.grid.variants import Variant
 from matrix.models import base, register
 from matrix.models.tiny_transformer import NUM_CLASSES, TinyTransformer
-from matrix.variants import Variant
 
 
 class NotAutocastAwareLinear(torch.autograd.Function):

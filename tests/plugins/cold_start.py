@@ -3,7 +3,7 @@
 cold-start is tiny-transformer, except that the first model it creates in a process takes
 COLD_START_S seconds (default 4) more, as a pretrained kind's first from_pretrained does when
 its weights come from a cold disk. The harness's first use of a kind is its one-time work
-(observing it, searching its learning rate, matrix/kind_setup.py): that, not the first cell,
+(observing it, searching its learning rate, matrix/harness/kind_setup.py): that, not the first cell,
 must pay for it.
 """
 

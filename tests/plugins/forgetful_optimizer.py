@@ -4,7 +4,7 @@ every torch optimizer's load_state_dict loads nothing, in each process that impo
 (the run's process and its ranks). Its kinds are the user's GPT-2 of tests/plugins/user_gpt2.py and
 the matrix's tiny-llama under other names, so that the ranks import this module too (the Trainer
 trains the GPT-2 into a known loss-count failure first: tiny-llama reaches its resume). Loaded with
-`-p forgetful_optimizer`; the resume check (matrix/resume.py) must fail every engine's training cell.
+`-p forgetful_optimizer`; the resume check (matrix/harness/resume.py) must fail every engine's training cell.
 """
 
 import copy

@@ -8,7 +8,7 @@ fail in the matrix for three different reasons (tests/test_triage.py triages a r
                         more than the tolerance (a check of the matrix fails, in and out of it:
                         reproduces, the numbers in the drafts)
   triage-harness-only   its evaluate raises only while the harness's cell pipeline is loaded
-                        (matrix.pipeline in sys.modules): a stand-in for a bug of the harness
+                        (matrix.harness.pipeline in sys.modules): a stand-in for a bug of the harness
                         (does not reproduce)
   triage-other-failure  its evaluate raises one exception inside the harness and another outside
                         it (another failure)
@@ -27,7 +27,7 @@ from torch import nn
 
 from matrix.models import EvalOutput, ModelKind, register
 
-HARNESS_MODULE = "matrix.pipeline"  # the harness's cell pipeline: a standalone script never imports it
+HARNESS_MODULE = "matrix.harness.pipeline"  # the harness's cell pipeline: a standalone script never imports it
 
 
 def under_half_autocast() -> bool:

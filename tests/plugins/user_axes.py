@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from broken_models import BrokenClassifier
 
-from matrix import catalogue, devices, engines, models, precisions
+from matrix import devices, engines, models
+from matrix.catalogue import entries as catalogue
 from matrix.devices.base import Device, no_autocast_reason
 from matrix.engines.torch_loop import TorchEngine
 from matrix.models.tiny_transformer import TinyTransformer
+from matrix.precisions import policies as precisions
 
 
 class UserBroken(TinyTransformer):

@@ -15,12 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from matrix.variants import Variant
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
 from matrix.models import ModelKind, base, register
-from matrix.variants import Variant
 
 NUM_CLASSES = 4
 WEIGHTS_FILE = "model.safetensors"  # the name the transformers Trainer's save_model() writes too
