@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry_releases(args) -> int:
-    from matrix.entry_releases import PAGE, EntryReleasesError, run
+    from matrix.releases.entry_releases import PAGE, EntryReleasesError, run
 
     try:
         run(args.entry, args.release, args.budget, args.stack, args.writer, args.plugins, args.output or PAGE)

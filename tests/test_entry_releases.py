@@ -1,4 +1,4 @@
-"""python -m matrix entry-releases (matrix/entry_releases.py): the releases an entry's specifiers
+"""python -m matrix entry-releases (matrix/releases/entry_releases.py): the releases an entry's specifiers
 name, the verdicts, the script's failure read as a signature, the page's agreement with the
 catalogue, and one entry run on two of its releases where the scratch environment is built."""
 
@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from matrix.catalogue.entries import load
-from matrix.entry_releases import (
+from matrix.releases.entry_releases import (
     PAGE,
     VERDICTS,
     _same_release,

@@ -66,7 +66,7 @@ class Entry:
     notes: str = ""
     when: tuple[Requirement, ...] = ()  # conditions that must all hold (matrix/catalogue/conditions.py)
     may_pass: bool = False  # a claimed cell that passes is passed, not fixed (a deviation's size varies)
-    shown_by: str = ""  # a bug's cell whose standalone script shows it (matrix/entry_releases.py)
+    shown_by: str = ""  # a bug's cell whose standalone script shows it (matrix/releases/entry_releases.py)
 
     def unmet(self, context: Context, reads: str) -> list[Requirement]:
         """The entry's conditions reading `reads` ("hardware", "run", "cell") that do not hold."""

@@ -12,6 +12,8 @@ that show a cell without the harness.
   repro/           - python -m matrix repro: one cell as a standalone script (the engine's library
                      calls, the references and the checks with their allowances; upstream imports
                      only)
+  entry_releases.py - python -m matrix entry-releases: each catalogued bug's script on the releases its
+                     entry names and its fixed release (docs/entry-releases.md)
   triage.py        - python -m matrix triage: each new signature's smallest cell as a standalone
                      script in a fresh process: reproduces, does not reproduce, another failure
 """
