@@ -93,14 +93,16 @@ def verdict_of(row: dict) -> str:
 
 
 def _qualified_exception(name: str, stderr: str) -> str:
-    """The exception as the matrix's signature names it: a check's class in matrix.checks.assertions or
-    matrix.precisions.policies; another's as Python's traceback printed it (module-qualified, builtins bare)."""
+    """The exception as the matrix's signature names it: a check's class in matrix/checks/assertions.py or
+    matrix/precisions/policies.py, by its module's name in signatures (matrix/results/module_moves.py);
+    another's as Python's traceback printed it (module-qualified, builtins bare)."""
     from matrix.checks import assertions as checks
     from matrix.precisions import policies as precisions
+    from matrix.results.module_moves import signature_name
 
     for module in (checks, precisions):
         if isinstance(getattr(module, name, None), type):
-            return f"{module.__name__}.{name}"
+            return f"{signature_name(module.__name__)}.{name}"
     printed = re.findall(rf"^([\w.]*\b{re.escape(name)}):", stderr, re.MULTILINE)
     return printed[-1] if printed else name
 
