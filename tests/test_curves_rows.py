@@ -91,7 +91,7 @@ def test_every_precision_and_family_has_a_row_against_both_references():
 def test_a_family_without_its_own_measurement_takes_the_default_familys_row():
     default = tolerances.curve_row(curves.TORCH_ENGINE, "bfloat16")
     assert tolerances.curve_row(curves.TORCH_ENGINE, "bfloat16", "a-family-no-one-measured") == default
-    with pytest.raises(tolerances.NoCurveRow, match=r"python -m matrix\.curve_spread"):
+    with pytest.raises(tolerances.NoCurveRow, match=r"python -m matrix\.tools\.curve_spread"):
         tolerances.curve_row(curves.TORCH_ENGINE, "a-row-no-one-measured")
 
 

@@ -117,7 +117,7 @@ def nox_sessions() -> frozenset[str]:
     """The session names noxfile.py defines (functions decorated with nox.session), and for a
     session parametrized over the version stacks, `name(param='X')` for every stack X."""
     tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
-    stacks = tomllib.loads((ROOT / "matrix" / "stacks.toml").read_text(encoding="utf-8"))["stack"]
+    stacks = tomllib.loads((ROOT / "matrix" / "releases" / "stacks.toml").read_text(encoding="utf-8"))["stack"]
     names = set()
     for node in tree.body:
         if not isinstance(node, ast.FunctionDef):
