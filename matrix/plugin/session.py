@@ -131,11 +131,14 @@ def activate(config) -> None:
 
 
 def share_the_cores(config) -> None:
-    """N xdist workers share the cores: torch's default of one thread per core in each of them
-    oversubscribes the machine (measured 2.4x slower with 2 workers on 2 cores). Imports torch:
-    called where the matrix is used (and by the harness's own tests, tests/conftest.py)."""
-    if is_worker(config):
-        import torch
+    """A process that runs cells computes on one intra-op thread, as each rank of the distributed
+    engines does (matrix/execute/rank_worker.py), whether it is one of N xdist workers or the run's
+    only process: a reference measured here (matrix/harness/reference_curves.py) is then the very one
+    a rank measures, bit for bit, and a rank can take it from here. The models are tiny: their
+    operations gain nothing from torch's threads, while torch's default of one thread per core
+    makes every operation wait for the slowest thread's core wherever the cores are busy (other
+    workers, the ranks, anything else on the machine). Imports torch: called where the matrix is
+    used (and by the harness's own tests, tests/conftest.py)."""
+    import torch
 
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(1)
