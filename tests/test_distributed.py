@@ -118,6 +118,22 @@ def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine,
     assert result.metrics.distributed.backend == "gloo"
 
 
+def test_the_ranks_compare_with_the_reference_curve_their_driver_measured(tmp_path):
+    """The torch engine's curve the driver measured for an accelerate cell is handed to the ranks
+    under its key: the ddp cell of the same kind and precision compares with the driver's losses,
+    not with its own. Nudged past fp32's row here, they fail the ddp cell's curve at step 1."""
+    from matrix.harness import reference_curves
+
+    driver = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", "accelerate"), tmp_path / "driver", timeout_s=120)
+    assert driver.outcome == "passed", driver.traceback
+    [(key, (losses, error))] = reference_curves._REFERENCE_CURVES.items()
+    nudged = [loss + 2.0**-20 for loss in losses]
+    reference_curves._REFERENCE_CURVES[key] = (nudged, error)
+    result = run_cell(Cell("tiny-llama", "fp32", "train", "cpu", "ddp"), tmp_path / "ranks", timeout_s=120)
+    assert result.metrics.curve.torch_engine.reference_losses == nudged != losses
+    assert result.phase == "train_steps" and "leaves the torch engine's at step 1" in result.message
+
+
 def test_a_cell_failing_in_a_rank_records_the_ranks_own_traceback(tmp_path):
     """ddp registers bf16_compress_hook in each rank, and torch refuses it without NCCL (the
     catalogue's ddp-bf16-compress-hook-needs-nccl): the record's traceback is the driver's,

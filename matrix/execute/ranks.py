@@ -37,10 +37,15 @@ def run_phase(state, phase: str) -> None:
         # to the ranks: observing it in a rank would save and load a checkpoint while the
         # other rank waits in a collective (transformers saves on rank 0 only once a group
         # is up), and every rank would calibrate the same learning rate again.
-        from matrix.harness.kind_traits import kind_learning_rate
+        # So is what it measured of the kind on fresh models (the references every engine's cells
+        # compare with, the tensors the rate stalls in bf16), where it has: the ranks take it
+        # rather than train and evaluate the same fresh models again, each in its own process.
+        from matrix.harness.kind_traits import established_for, kind_learning_rate
+        from matrix.harness.reference_curves import measured_for
         from matrix.models.observation import observe
 
         known = {"observed": observe(state.kind), "rate": kind_learning_rate(state.kind) if state.training else None}
+        known.update(established=established_for(state.kind), measured=measured_for(state.kind))
         began = time.perf_counter()
         started_before = group.starts
         group.call(
@@ -104,7 +109,7 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
 
     from matrix.devices import DEVICES
     from matrix.engines import ENGINES
-    from matrix.harness import learning_rate
+    from matrix.harness import kind_traits, learning_rate, reference_curves
     from matrix.harness.cell_state import CellState
     from matrix.harness.garbage import settle_garbage
     from matrix.harness.group import Group
@@ -122,6 +127,8 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
     observation.remember(kind, known["observed"])
     if known["rate"] is not None:  # a training cell's (an evaluation neither trains nor needs it)
         learning_rate.remember(kind, known["rate"])
+    kind_traits.remember_established(known["established"])
+    reference_curves.remember_measured(known["measured"])
 
     device = DEVICES[cell.device]
     directory = Path(workdir) / f"rank{context.rank}"

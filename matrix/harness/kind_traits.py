@@ -106,6 +106,22 @@ def bf16_stalled_tensors(kind, rate: float) -> tuple[str, ...]:
     return _STALLED[key]
 
 
+def established_for(kind) -> dict:
+    """What this process established of `kind` beyond its observation and rate (the tensors its
+    rate stalls in bf16, its fp32 twin's falls), each under the key it was established for: a rank
+    takes them from its driver (remember_established) rather than train the fp32 model again."""
+    return {
+        "stalled": {key: value for key, value in _STALLED.items() if key[:3] == (kind.name, type(kind), kind.variant)},
+        "falls": {key: value for key, value in _TWIN_FALLS.items() if key[:3] == (type(kind), kind.name, kind.variant)},
+    }
+
+
+def remember_established(established: dict) -> None:
+    """Take another process's established_for() as this one's (a rank's, from its driver)."""
+    _STALLED.update(established["stalled"])
+    _TWIN_FALLS.update(established["falls"])
+
+
 def kind_record(kind, with_rate: bool) -> KindRecord:
     """What the report records of the cell's model kind: the traits catalogue selectors match
     (RATE_TRAIT in training cells, which establish the rate anyway), the ones it declares (None:

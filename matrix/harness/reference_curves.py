@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from matrix.grid.schedule import forward_seed, train_steps
+from matrix.harness import measurements
 from matrix.harness.cell_state import CellState
 from matrix.harness.measurements import generators_kept, harness_forward
 from matrix.harness.torch_step import take_steps, train_step
@@ -78,3 +79,22 @@ def reference_curve(state: CellState, precision) -> tuple[list[float] | None, st
             found = (None, signature_of("torch engine", exc).text)
     _REFERENCE_CURVES[key] = found
     return found
+
+
+def _of_kind(cache: dict, kind) -> dict:
+    """The entries of a cache keyed (kind type, kind name, variant, ...) that are `kind`'s."""
+    return {key: value for key, value in cache.items() if key[:3] == (type(kind), kind.name, kind.variant)}
+
+
+def measured_for(kind) -> dict:
+    """What this process measured of `kind` on fresh models (its fresh measurements and reference
+    curves), each under the key it was measured for: a rank takes them from its driver
+    (remember_measured) rather than measure the same again."""
+    return {"fresh": _of_kind(measurements._FRESH_MEASUREMENTS, kind), "curves": _of_kind(_REFERENCE_CURVES, kind)}
+
+
+def remember_measured(measured: dict) -> None:
+    """Take another process's measured_for() as this one's (a rank's, from its driver): each entry
+    is used only where a cell asks for exactly its key."""
+    measurements._FRESH_MEASUREMENTS.update(measured["fresh"])
+    _REFERENCE_CURVES.update(measured["curves"])
