@@ -114,7 +114,7 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
     from matrix.harness.garbage import settle_garbage
     from matrix.harness.group import Group
     from matrix.harness.measurements import fresh_model
-    from matrix.models import MODELS, observation
+    from matrix.models import MODELS, ModelKind, observation
 
     settle_garbage()
     importlib.import_module(kind_module)
@@ -151,7 +151,10 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
         # is written once, by rank 0: transformers' save_pretrained writes on rank 0 only once a
         # process group is up (PreTrainedModel.should_save_on_this_rank, transformers 5.x).
         if context.rank == 0:
-            fresh_model(dataclasses.replace(state, workdir=shared))
+            if type(kind).build is ModelKind.build or type(kind).pretrained is not ModelKind.pretrained:
+                kind.pretrained(shared)  # only the checkpoint, not a whole model built and thrown away
+            else:  # a kind that builds its own way (a user's): its build writes what its loads read
+                fresh_model(dataclasses.replace(state, workdir=shared))
         state.group.barrier()
         (directory / "pretrained-fp32").symlink_to(shared / "pretrained-fp32", target_is_directory=True)
 

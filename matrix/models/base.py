@@ -226,10 +226,7 @@ class ModelKind(abc.ABC):
         """The model in the precision's weights dtype, obtained the way the precision says."""
         self.require(precision)
         if precision.weights_from == "load":
-            directory = workdir / PRETRAINED_FP32
-            if not directory.exists():
-                directory.mkdir(parents=True)
-                self.save(self.initialise(), directory)
+            directory = self.pretrained(workdir)
             if precision.quantization is not None:
                 return self.load_quantized(directory, precision, device)
             return self.load_weights(directory, precision.weights_dtype, device)
@@ -240,6 +237,15 @@ class ModelKind(abc.ABC):
             # (RecurrentGemma's bf16 normalizer), which from_pretrained then gives back as created
             model = model.to(dtype=precision.weights_dtype)
         return model
+
+    def pretrained(self, workdir: Path) -> Path:
+        """The kind's fp32 weights as a pretrained checkpoint under `workdir`, which a *-loaded-*
+        build reads: written by save() where it is not there yet."""
+        directory = workdir / PRETRAINED_FP32
+        if not directory.exists():
+            directory.mkdir(parents=True)
+            self.save(self.initialise(), directory)
+        return directory
 
     def load(self, directory: Path, precision: Precision, device: torch.device, workdir: Path) -> nn.Module:
         """A fresh model from a checkpoint written by save(), in the precision's dtype."""

@@ -73,6 +73,9 @@ class Lora(CausalLMKind):
     def create(self):
         raise NotImplementedError("lora is built on top of tiny-llama, see build()")
 
+    def pretrained(self, workdir: Path) -> Path:
+        return self.base.pretrained(workdir)  # what base_model() loads
+
     def save(self, model, directory: Path) -> None:
         model.save_pretrained(directory)  # adapter weights only, safetensors
 
