@@ -134,6 +134,16 @@ def test_the_ranks_compare_with_the_reference_curve_their_driver_measured(tmp_pa
     assert result.phase == "train_steps" and "leaves the torch engine's at step 1" in result.message
 
 
+def test_a_rank_collects_what_a_cell_left_once_its_end_is_answered(group, tmp_path, monkeypatch):
+    """A rank settles its garbage after answering the cell's end, outside any cell (as the driver
+    does before a cell's time starts), so that the next cell finds it done."""
+    live_starts(group)
+    monkeypatch.setitem(rank_pool._POOLS, ("cpu", 2), group)  # the cell runs on this group
+    result = run_cell(Cell("tiny-llama", "fp32", "eval", "cpu", "ddp"), tmp_path, timeout_s=120)
+    assert result.outcome == "passed", result.traceback
+    assert group.call("rank_calls:settled", timeout_s=60) == [{"settled": True, "cell": None, "pending": False}] * 2
+
+
 def test_a_cell_failing_in_a_rank_records_the_ranks_own_traceback(tmp_path):
     """ddp registers bf16_compress_hook in each rank, and torch refuses it without NCCL (the
     catalogue's ddp-bf16-compress-hook-needs-nccl): the record's traceback is the driver's,

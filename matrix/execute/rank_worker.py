@@ -13,6 +13,7 @@ import faulthandler
 import importlib
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -30,9 +31,12 @@ class RankContext:
     world_size: int
     device: str  # the device axis' name: cpu, cuda
     cell: object | None = None  # the cell this rank runs now (its CellState), kept between its phases
-    watch: object | None = (
-        None  # the cell's watch over this rank's process-global state (matrix/harness/global_state.py)
-    )
+    # the cell's watch over this rank's process-global state (matrix/harness/global_state.py)
+    watch: object | None = None
+    # work for after a call's answer went back and before the next call is read (what a cell left
+    # is collected while the driver records that cell and goes on)
+    after_answer: Callable[[], None] | None = None
+    settled: bool = False  # what the cells before left is collected already (matrix/execute/ranks.py)
 
 
 def describe(exc: BaseException) -> dict:
@@ -105,6 +109,9 @@ def main() -> None:
             if not is_failure(exc):
                 raise
             replies.send(("error", describe(exc)))
+        if context.after_answer is not None:
+            work, context.after_answer = context.after_answer, None
+            work()
     import torch.distributed as dist
 
     if dist.is_initialized():

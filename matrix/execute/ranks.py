@@ -116,7 +116,9 @@ def rank_begin_cell(context, cell, kind_module: str, variant, precision, workdir
     from matrix.harness.measurements import fresh_model
     from matrix.models import MODELS, ModelKind, observation
 
-    settle_garbage()
+    if not context.settled:  # else settled once the last cell's end was answered
+        settle_garbage()
+    context.settled = False
     importlib.import_module(kind_module)
     from matrix.harness import global_state
 
@@ -193,4 +195,15 @@ def rank_end_cell(context) -> list[dict]:
         state.hooks.remove()
         leaks = context.watch.close("cleanup") if context.watch is not None else []
         context.watch = None
+        context.after_answer = lambda: _settle(context)
     return [leak.as_dict() for leak in leaks]
+
+
+def _settle(context) -> None:
+    """What the cell left is collected once its end was answered, outside any cell, as the driver
+    settles before its next cell starts (matrix/harness/garbage.py); the next cell in this rank then
+    finds it done."""
+    from matrix.harness.garbage import settle_garbage
+
+    settle_garbage()
+    context.settled = True

@@ -67,3 +67,8 @@ def gathered_like_torch(context, rows):
         "equal": all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in theirs),
         "shapes": {k: list(v.shape) for k, v in ours.items()},
     }
+
+
+def settled(context):
+    """Whether the rank collected what the cells before left, and nothing of a cell is held."""
+    return {"settled": context.settled, "cell": context.cell, "pending": context.after_answer is not None}
