@@ -14,9 +14,9 @@ import sys
 import warnings
 
 # the old module paths this project uses, and the modules they became
-MODULES = {"matrix.grid.variants": "matrix.grid.variants", "matrix.plugin.cases": "matrix.plugin.cases"}
+MODULES = {"matrix.variants": "matrix.grid.variants", "matrix.pytest_cases": "matrix.plugin.cases"}
 # a name of an old module that is a folder now, and the module that has it
-NAMES = {("matrix.catalogue.entries", "register"): "matrix.catalogue.entries"}
+NAMES = {("matrix.catalogue", "register"): "matrix.catalogue.entries"}
 
 
 def warned_about(caught, new: str) -> bool:
