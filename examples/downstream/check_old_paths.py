@@ -1,5 +1,5 @@
 """This project was written against the matrix's flat package, before its modules moved into one
-folder per layer: it imports matrix.grid.variants, matrix.plugin.cases and matrix.catalogue.entries's
+folder per layer: it imports matrix.variants, matrix.pytest_cases and matrix.catalogue's
 register(). Those paths keep working for one release, each with a DeprecationWarning that names
 the new one. `nox -s downstream` runs this after the matrix run: exit status 1, with a line per
 old path that does not, else 0.
