@@ -3,6 +3,8 @@ version specifiers, classification, and the outcomes a real run gets from it."""
 
 import json
 import textwrap
+from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -379,3 +381,43 @@ def test_the_merged_save_entry_is_in_force_on_the_releases_that_cast_and_not_aft
     entry = catalogue.load().by_id("transformers-prequantized-reload-casts-saved-fp32-tensors")
     assert entry.versions_hold({"transformers": "5.17.0"}) and entry.versions_hold({"transformers": "5.20.2"})
     assert not entry.versions_hold({"transformers": "5.21.0"}) and not entry.versions_hold({"transformers": "5.24.0"})
+
+
+def test_the_h100_run_of_stop_54_is_explained_by_the_catalogue_on_its_own_stack():
+    """Run N of docs/gpu-runs/h100-2026-11-27-stop54 (torch 2.11.0+cu130, one rank): judged now by
+    the built-in catalogue, on the versions and hardware the run recorded, every failed cell is
+    known (its 16 new cells then: accelerate-fsdp2's fp16-loaded-mixed scaler, FSDP2's integer
+    parameters) and no cell is fixed. Run B, the code before the package's folders, gave the same
+    outcome and signature id in each of the 658 cells that ran."""
+    import gzip
+
+    from matrix.catalogue.conditions import Context
+
+    runs = Path(__file__).resolve().parent.parent / "docs" / "gpu-runs" / "h100-2026-11-27-stop54"
+    documents = {run: json.loads(gzip.decompress((runs / run / "results.json.gz").read_bytes())) for run in "NB"}
+    known = catalogue.load()
+    recorded = documents["N"]["environment"]
+    installed = {
+        name: info.get("version") if isinstance(info, dict) else info for name, info in recorded["packages"].items()
+    }
+    context = Context(hardware=recorded["hardware"], run={"train_steps": documents["N"]["run"]["curve_steps"]})
+    verdicts = Counter()
+    for record in documents["N"]["cells"]:
+        if record["outcome"] in ("skipped", "not applicable"):
+            continue
+        cell = Cell(record["model"], record["precision"], record["mode"], record["device"], record["engine"])
+        outcome = "failed" if record["outcome"] in ("failed", "known") else "passed"
+        text = (record.get("signature") or {}).get("text")
+        verdict, entry = catalogue.classify(
+            outcome,
+            text,
+            known.in_force(cell, installed, context),
+            record["metrics"],
+            known.inapplicable(cell, installed, context),
+        )
+        verdicts[verdict] += 1
+        assert verdict not in ("failed", "fixed"), (record["id"], verdict, text, entry and entry.id)
+    assert verdicts["known"] == 230 and sum(verdicts.values()) == 658, verdicts
+    before = {c["id"]: (c["outcome"], (c.get("signature") or {}).get("id")) for c in documents["B"]["cells"]}
+    now = {c["id"]: (c["outcome"], (c.get("signature") or {}).get("id")) for c in documents["N"]["cells"]}
+    assert before == now

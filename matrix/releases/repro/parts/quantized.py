@@ -260,7 +260,4 @@ def start_checked(model, training):
 
 ENGINE.start = start_checked
 # the phases run the quantized checkpoint_reload above in place of the plain one
-PHASES = {
-    mode: [checkpoint_reload if p.__name__ == "checkpoint_reload" else p for p in phases]
-    for mode, phases in PHASES.items()
-}
+PHASES = [checkpoint_reload if p.__name__ == "checkpoint_reload" else p for p in PHASES]
