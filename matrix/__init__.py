@@ -20,7 +20,8 @@ fails on an upward import). Each folder's __init__.py maps its modules.
   catalogue/       - the known failures, their selectors and conditions
   execute/         - running a cell, in this process or on the ranks of a process group
   explore/         - hypothesis exploration of the variants the grid does not run
-  plugin/          - pytest: hooks, fixtures, the matrix's tests, options, python -m matrix run
+  run/             - python -m matrix run: the crash-surviving supervisor; the options table
+  plugin/          - pytest: hooks, fixtures, the matrix's two tests
   releases/        - stacks, sweeps, bisection, standalone repro scripts and triage
   tools/           - the bench, the import graph, the curve spread's measurement
   golden/          - data: the golden curves of each stack (curves-<stack>.json) and the initial

@@ -1,6 +1,6 @@
 """python -m matrix COMMAND (also installed as `precision-matrix`):
 
-  run [pytest args]      the matrix in a crash- and hang-surviving supervisor (matrix/plugin/supervisor.py)
+  run [pytest args]      the matrix in a crash- and hang-surviving supervisor (matrix/run/supervisor.py)
   fold DIR               results.json from the journal of a run whose controller was killed
                          (matrix/results/run_directory.py)
   bisect ...             the release that changed one cell's outcome (matrix/releases/bisection.py)
@@ -50,7 +50,7 @@ def load_plugins(command: str, modules: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
-        from matrix.plugin.supervisor import main as run_matrix
+        from matrix.run.supervisor import main as run_matrix
 
         return run_matrix(argv[1:])  # everything after `run` is pytest's; run --help is the runner's own
     parser = argparse.ArgumentParser(prog="python -m matrix")

@@ -166,7 +166,7 @@ def test_a_config_entry_is_attributed_to_the_phase_that_set_it(watched_process):
 
 
 def test_the_order_seed_is_a_whole_number():
-    from matrix.plugin import options
+    from matrix.run import options
 
     assert options.checked("matrix_order_seed", "12") == 12
     with pytest.raises(options.OptionError, match="--order-seed: 'night' is not a whole number"):

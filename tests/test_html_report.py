@@ -268,7 +268,7 @@ def test_every_cell_in_a_grid_has_a_details_panel_with_signature_entry_metrics_a
     harness = folded.find("details", **{"class": "harness"})
     assert (
         harness.child("summary").text()
-        == "... 1 frame of the harness folded (matrix/checks/assertions.py, line 40, in check_finite)"
+        == "... 1 frame of the harness folded (matrix/checks.py, line 40, in check_finite)"
     )
     pieces = [c.child("pre") if c.tag == "details" else c for c in folded.children if isinstance(c, Node)][1:]
     assert "\n".join(piece.text() for piece in pieces) + "\n" == NEW_TRACEBACK

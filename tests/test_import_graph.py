@@ -10,7 +10,7 @@ from pathlib import Path
 from matrix.tools import import_graph
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS_LAYER = ("matrix.grid", "matrix.results", "matrix.shards.plan")  # the folders that never reach torch
+RESULTS_LAYER = ("matrix.grid", "matrix.results", "matrix.shards")  # the folders that never reach torch
 STACK = {
     "torch",
     "transformers",
@@ -222,7 +222,7 @@ PLUGIN_WITHOUT_THE_STACK = textwrap.dedent(
 
 def test_the_plugin_imports_and_adds_its_options_with_the_stack_blocked():
     """What pytest does with the plugin in any session, before a matrix test is collected."""
-    from matrix.plugin import options
+    from matrix.run import options
 
     script = PLUGIN_WITHOUT_THE_STACK.format(stack=sorted(STACK))
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

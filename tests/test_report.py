@@ -224,11 +224,12 @@ def test_a_failed_cells_traceback_is_in_results_json_junit_and_summary(tmp_path)
     new = summary.split("## Not in the catalogue: 2 failures (new here)")[1].split("\n## ")[0]
     assert new.count("<details><summary>traceback</summary>") == 1  # one per signature: the first cell's
     folded = new.split("  <details><summary>traceback</summary>\n\n")[1].split("\n\n  </details>")[0]
-    # the harness's frame (matrix/execute/cell_run.py) folded to a line; the library's frame and the exception shown
+    # the harness's frame (matrix/execute.py: a traceback recorded before the folders) folded to a line;
+    # the library's frame and the exception shown
     lines = traceback_of(first).splitlines()
     shown = [
         lines[0],
-        "  ... 1 frame of the harness folded (matrix/execute/cell_run.py, line 110, in run_cell)",
+        "  ... 1 frame of the harness folded (matrix/execute.py, line 110, in run_cell)",
         *lines[3:],
     ]
     assert folded == "  ```\n" + "".join(f"  {line}\n" for line in shown) + "  ```"
@@ -399,7 +400,7 @@ def test_a_failure_of_the_harness_own_check_in_a_rank_names_the_check():
     text = real("gemma-cache-bf16-true-eval-cpu-accelerate-fsdp2")["traceback"]
     assert shown_text(text).split("\n")[:3] == [
         "Traceback (most recent call last):",
-        "  ... 6 frames of the harness folded (innermost: matrix/checks/assertions.py, line 219, in check_same_dtypes)",
+        "  ... 6 frames of the harness folded (innermost: matrix/checks.py, line 219, in check_same_dtypes)",
         "matrix.checks.DtypeContractBroken: after reload: a buffer was torch.bfloat16, is now torch.float32",
     ]
 

@@ -1,5 +1,5 @@
-"""python -m matrix run's own command line (matrix/plugin/supervisor.py): --help lists this command's options
-and the matrix's pytest options (matrix/plugin/options.py), exits 0, and neither starts pytest nor
+"""python -m matrix run's own command line (matrix/run/supervisor.py): --help lists this command's options
+and the matrix's pytest options (matrix/run/options.py), exits 0, and neither starts pytest nor
 imports torch."""
 
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import python_path
-from matrix.plugin import options
+from matrix.run import options
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("torch", "transformers", "peft", "accelerate", "lightning", "pytest", "_pytest", "xdist")

@@ -1,8 +1,10 @@
 """Exploration: hypothesis searches over the variants the grid does not run.
 
-exploration.py   - a search over one cell's variants, and a finding shrunk and explained
-strategies.py    - what an exploration draws: the variants a kind and an engine can take
-clock.py         - the explorations' wall-time budget shared out over a run's targets
+  exploration.py   - a search over one cell's variants, and a finding shrunk and explained
+  strategies.py    - what an exploration draws: the variants a kind and an engine can take
+  clock.py         - the explorations' wall-time budget shared out over a run's targets
+
+python -m matrix run --explore runs them; they never slow the default matrix down.
 """
 
 from matrix.results.module_moves import forwarded

@@ -1,6 +1,5 @@
-"""The pytest plugin (entry point `pytest11: matrix`, or `-p matrix.plugin` from a checkout), and
-`python -m matrix run`, the supervisor that runs pytest in a process it can outlive. This package
-is the module pytest registers: it names the hooks and fixtures below.
+"""The pytest plugin (entry point `pytest11: matrix`, or `-p matrix.plugin` from a checkout). This
+package is the module pytest registers: it names the hooks and fixtures below.
 
   hooks.py         - the hooks: options added, configuration, the matrix's tests parametrized with
                      the cells, their environment while they run, collection
@@ -10,10 +9,6 @@ is the module pytest registers: it names the hooks and fixtures below.
   fixtures.py      - test_cell's fixtures: isolated_torch_state, established_kind
   recorder.py      - the recording of a run as pytest reports its cells (the controller's)
   cases.py         - the matrix's two tests, test_cell and test_explore (cases/ imports them)
-  options.py       - the matrix's command-line options, one table for the plugin and python -m matrix run
-  supervisor.py    - python -m matrix run: the crash- and hang-surviving supervisor
-  internal_errors.py - the pytest plugin supervisor.py loads into pytest: an internal error's
-                     traceback kept
 
 Importing it imports pytest, the standard library and the matrix's torch-free modules only.
 """

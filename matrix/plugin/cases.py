@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from matrix.plugin import options
+from matrix.run import options
 
 
 class KnownFailure(Exception):

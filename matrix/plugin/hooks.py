@@ -20,7 +20,6 @@ import pytest
 
 from matrix.execute import environment_variables as cell_environment
 from matrix.explore.clock import ExploreClock
-from matrix.plugin import options
 from matrix.plugin.parametrize import (
     cell_marks,
     explorable,
@@ -47,6 +46,7 @@ from matrix.plugin.session import (
     values_key,
 )
 from matrix.results.run_directory import reports_root
+from matrix.run import options
 from matrix.shards.plan import parse_shard
 
 EXPLORE_TIMEOUT_MARGIN_S = 600

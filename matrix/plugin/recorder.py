@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from matrix.grid.cell import Cell, cell_id_from_nodeid
-from matrix.plugin import options
 from matrix.plugin.parametrize import (
     is_cell_item,
     matrix_item_id,
@@ -33,7 +32,6 @@ from matrix.plugin.session import (
     selection_key,
     shard_key,
 )
-from matrix.plugin.supervisor import COMMAND_VARIABLE
 from matrix.results.recording import RunInUse, RunRecorder, started_at
 from matrix.results.records import (
     CellRecord,
@@ -42,6 +40,8 @@ from matrix.results.records import (
     skipped_record,
     timeout_record,
 )
+from matrix.run import options
+from matrix.run.supervisor import COMMAND_VARIABLE
 
 
 def rerun_command(config, nodeid: str, cell: Cell) -> str:

@@ -1,5 +1,5 @@
 """The matrix's side of a pytest session: what it keeps in pytest's stash, its options read back
-checked (matrix/plugin/options.py), and activate(): the registries, the axis selection, the GPU
+checked (matrix/run/options.py), and activate(): the registries, the axis selection, the GPU
 index, the catalogue and the installed versions, set up once per process when the matrix is first
 needed (no torch before that)."""
 
@@ -74,7 +74,7 @@ def device_index(config) -> int:
 
 
 def option(config, dest: str):
-    """An option's value, checked (matrix/plugin/options.py)."""
+    """An option's value, checked (matrix/run/options.py)."""
     return config.stash[values_key][dest] if dest in config.stash[values_key] else config.getoption(dest)
 
 

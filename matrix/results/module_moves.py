@@ -45,9 +45,9 @@ MOVED: dict[str, str] = {
     "matrix.observation": "matrix.models.observation",
     "matrix.pytest_cases": "matrix.plugin.cases",
     "matrix.plugin": "matrix.plugin.hooks",
-    "matrix.internal_errors": "matrix.plugin.internal_errors",
-    "matrix.options": "matrix.plugin.options",
-    "matrix.runner": "matrix.plugin.supervisor",
+    "matrix.internal_errors": "matrix.run.internal_errors",
+    "matrix.options": "matrix.run.options",
+    "matrix.runner": "matrix.run.supervisor",
     "matrix.float8": "matrix.precisions.float8",
     "matrix.precisions": "matrix.precisions.policies",
     "matrix.quantization": "matrix.precisions.quantization",
@@ -105,6 +105,14 @@ SIGNATURE_NAMES: dict[str, str] = {
     **{new: old for old, new in MOVED.items()},
     **{new: old for old, news in SPLIT_INTO.items() for new in news if new != old},
 }
+
+
+# the flat package's own files and folders: a traceback recorded before the folders names them
+FLAT_ENTRIES = frozenset(
+    {old.split(".")[1] + ".py" for old in MOVED if old.count(".") == 1}
+    | {old.split(".")[1] for old in MOVED_FOLDERS}
+    | {"known_failures.toml", "stacks.toml", "releases.toml", "curve_spread.json"}
+)
 
 
 def signature_name(module: str) -> str:

@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matrix.results.crash_dump import CHAIN_LINES
+from matrix.results.module_moves import FLAT_ENTRIES
 
 RANK_LINE = "raised in the rank as:"  # matrix/execute/cell_run.py: what joins the rank's traceback to the driver's
 _FILE = re.compile(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
 # The entries of the matrix package (modules and subpackages): a frame is the harness's when its
-# file sits in a directory named matrix, under one of these (on this machine or the one that ran).
+# file sits in a directory named matrix, under one of these (on this machine or the one that ran),
+# or under one of the flat package's modules (a traceback recorded before the folders, issue 49).
 PACKAGE = Path(__file__).resolve().parents[1]
-HARNESS_ENTRIES = frozenset(entry.name for entry in PACKAGE.iterdir() if not entry.name.startswith("."))
+HARNESS_ENTRIES = frozenset(entry.name for entry in PACKAGE.iterdir() if not entry.name.startswith(".")) | FLAT_ENTRIES
 
 
 @dataclass(frozen=True)

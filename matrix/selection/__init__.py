@@ -1,7 +1,9 @@
 """The grid enumerated over the registries (above models/ and engines/, which fill them).
 
-cells.py         - axis values from the registries, --model a,b selection, enumeration, the cell a
-                   test id names
+  cells.py         - axis values from the registries, --model a,b selection, enumeration, the cell a
+                     test id names
+
+It imports the axes' folders so that their registries are filled before it enumerates.
 """
 
 from matrix.results.module_moves import forwarded

@@ -77,7 +77,8 @@ LAYERS = (
     "catalogue",  # known failures, their selectors and conditions
     "execute",  # running a cell: in this process or in the ranks of a process group
     "explore",  # hypothesis exploration of variants the grid does not run
-    "plugin",  # pytest: hooks, the matrix's tests, options, the crash-surviving supervisor
+    "run",  # python -m matrix run: the crash-surviving supervisor, and the options it shares with the plugin
+    "plugin",  # pytest: hooks, fixtures, the matrix's two tests
     "releases",  # stacks, sweeps, bisection, standalone scripts and triage
     "tools",  # benchmarks, this import graph, the curve spread's measurement
 )

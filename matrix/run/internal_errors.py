@@ -2,7 +2,7 @@
 (PYTEST_PLUGINS): an internal error of pytest (a hook that raised, the recording of a cell
 included) ends that process with exit status 3 and its traceback on the console only. This
 writes the traceback to internalerror-<pid>.log in the run's directory too, where the
-supervisor (matrix/plugin/supervisor.py) reads it into the crash record of the cell that was running, as it
+supervisor (matrix/run/supervisor.py) reads it into the crash record of the cell that was running, as it
 reads faulthandler's stacks after a fatal signal. Standard library only."""
 
 from __future__ import annotations

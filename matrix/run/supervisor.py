@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from matrix.plugin import internal_errors
-from matrix.plugin.options import (
+from matrix.results import journal, run_directory
+from matrix.run import internal_errors
+from matrix.run.options import (
     BY_FLAG,
     CELL_TIMEOUT_S,
     KIND_SETUP_TIMEOUT_S,
@@ -36,7 +37,6 @@ from matrix.plugin.options import (
     joined_values,
     runner_options,
 )
-from matrix.results import journal, run_directory
 
 COMMAND_VARIABLE = "MATRIX_RUN_COMMAND"  # the command the user typed, recorded in the report
 
@@ -129,11 +129,11 @@ class Supervisor:
         return command + (["--matrix-resume"] if resume else [])
 
     def child_environment(self) -> dict[str, str]:
-        """The environment, with matrix/plugin/internal_errors.py loaded into pytest: an internal error
+        """The environment, with matrix/run/internal_errors.py loaded into pytest: an internal error
         of pytest leaves its traceback in the run's directory for record_deaths()."""
         env = dict(os.environ)
         plugins = [p for p in env.get("PYTEST_PLUGINS", "").split(",") if p.strip()]
-        env["PYTEST_PLUGINS"] = ",".join([*plugins, "matrix.plugin.internal_errors"])
+        env["PYTEST_PLUGINS"] = ",".join([*plugins, "matrix.run.internal_errors"])
         env[internal_errors.DIRECTORY_VARIABLE] = str(self.directory)
         return env
 
@@ -300,7 +300,7 @@ could not go on (the reason is printed); 128 + N when ended by signal N."""
 
 def help_parser() -> argparse.ArgumentParser:
     """What `python -m matrix run --help` prints: this command's options, then the matrix's
-    pytest options from the same table the plugin registers (matrix/plugin/options.py); no torch."""
+    pytest options from the same table the plugin registers (matrix/run/options.py); no torch."""
     parser = argparse.ArgumentParser(
         prog="python -m matrix run",
         usage="%(prog)s [-h] [options] [pytest args]",

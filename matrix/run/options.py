@@ -1,6 +1,6 @@
 """The matrix's command-line options, in one table (OPTIONS): the pytest plugin adds them to
 pytest (matrix/plugin/hooks.py), and `python -m matrix run` parses the ones it needs (runner_needs)
-from the same table before it starts pytest, and lists them in its --help (matrix/plugin/supervisor.py).
+from the same table before it starts pytest, and lists them in its --help (matrix/run/supervisor.py).
 
 An option with a check (the timeouts, --world-size, the --explore-* numbers) is checked here,
 once, with a one-line message naming it; the others are checked where they are read: the axis
