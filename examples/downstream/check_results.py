@@ -29,7 +29,12 @@ from downstream_models.bag_classifier import BagClassifier
 import matrix
 
 HERE = Path(__file__).resolve().parent
-PACKAGE_DATA = ("known_failures.toml", "stacks.toml", "results/results.schema.json")
+PACKAGE_DATA = (
+    "catalogue/known_failures.toml",
+    "releases/stacks.toml",
+    "results/results.schema.json",
+    "checks/curve_spread.json",
+)
 
 
 def entries(text: str) -> list[dict]:
@@ -94,7 +99,7 @@ def check(results: dict, checkout: Path | None) -> list[str]:
     # (c) a built-in entry reached this kind through a trait the harness observed on it (the kind
     # declares none; every record carries what the catalogue matched)
     traits = frozenset(next(c["metrics"]["kind"]["traits"] for c in cells if "kind" in c["metrics"]))
-    builtin = entries(importlib.resources.files("matrix").joinpath("known_failures.toml").read_text())
+    builtin = entries(importlib.resources.files("matrix").joinpath("catalogue", "known_failures.toml").read_text())
     by_trait = [
         (entry["id"], cell["id"])
         for entry in builtin
