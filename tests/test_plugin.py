@@ -368,3 +368,27 @@ def test_the_trainer_says_it_cannot_drive_a_kind_whose_forward_takes_no_labels(r
     )
     assert ENGINES["hf-trainer"].kind_skip_reason(MODELS["tiny-transformer"]) is None
     assert ENGINES["torch"].kind_skip_reason(MODELS["no-labels"]) is None  # the loops call the kind's loss()
+
+
+def test_a_cells_files_stay_only_where_it_failed_in_a_new_way(run_pytest, tmp_path):
+    """A cell's working directory (its checkpoints and exports: a real model's fill a CI disk) is
+    removed once the cell is recorded, unless the catalogue does not explain its failure; with
+    --keep-cell-files every one stays."""
+    selection = ("--model", "tiny-llama", "--precision", "fp32,fp16-true", "--mode", "train", "--engine", "torch")
+    selection += ("--device", "cpu", "--no-builtin-catalogue", "-p", "no:cacheprovider")
+
+    def directories(basetemp: Path, *extra: str) -> dict[str, list[str]]:
+        run_pytest(*selection, "--basetemp", str(basetemp), *extra, report_dir=basetemp.parent / "reports")
+        found = [d for d in basetemp.iterdir() if d.is_dir() and not d.is_symlink()]  # not pytest's "current" link
+        return {d.name: sorted(p.name for p in d.iterdir()) for d in found}
+
+    def cells(found: dict) -> list[str]:  # pytest cuts a test's directory name at 30 characters
+        return sorted("fp32" if "fp32" in name else "fp16-true" if "fp16_true" in name else name for name in found)
+
+    tidied = directories(tmp_path / "tidied")
+    # the fp32 cell passed: its directory is gone; the fp16-true one failed (AdamW's eps underflows
+    # in float16, which no catalogue here explains) and keeps its directory
+    assert cells(tidied) == ["fp16-true"], tidied
+    kept = directories(tmp_path / "kept", "--keep-cell-files")
+    assert cells(kept) == ["fp16-true", "fp32"], kept
+    assert [files for name, files in kept.items() if "fp32" in name] == [["checkpoint"]], kept

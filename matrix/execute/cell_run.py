@@ -16,6 +16,7 @@ Each phase's time is recorded. Nothing is caught that is not recorded.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -260,3 +261,18 @@ def run_and_record(
     )
     poison = poisoning_error(result.message) if result.outcome == "failed" else None
     return RecordedCell(record, result, claims, entry, poison)
+
+
+KEPT_OUTCOMES = ("failed",)  # a failure the catalogue does not explain: its files are the evidence
+
+
+def tidy_workdir(workdir: Path, outcome: str, *, keep: bool = False) -> bool:
+    """Remove the cell's working directory once its record is made, unless the outcome is a new
+    failure or `keep` is asked for. It holds the cell's checkpoints and exports and its ranks'
+    files: for a real pretrained model that is hundreds of MB a cell, and a run that kept every
+    cell's filled a CI disk (No space left on device). A run's disk use is bounded by its new
+    failures. True when the directory was removed."""
+    if keep or outcome in KEPT_OUTCOMES or not workdir.exists():
+        return False
+    shutil.rmtree(workdir)
+    return True

@@ -29,7 +29,7 @@ class KnownFailure(Exception):
 
 
 def test_cell(cell, tmp_path, request, isolated_torch_state, established_kind):
-    from matrix.execute.cell_run import run_and_record
+    from matrix.execute.cell_run import run_and_record, tidy_workdir
     from matrix.plugin import session
     from matrix.plugin.recorder import rerun_command
 
@@ -63,6 +63,7 @@ def test_cell(cell, tmp_path, request, isolated_torch_state, established_kind):
     leaks = isolated_torch_state.close("cleanup")
     record = dataclasses.replace(done.record, leaked_state=[leak.as_dict() for leak in leaks])
     request.node.user_properties.append((session.RESULT_PROPERTY, record.as_dict()))
+    tidy_workdir(tmp_path, record.outcome, keep=config.getoption("matrix_keep_cell_files"))
     if done.poison:  # this process's device context is gone: stop here, python -m matrix run resumes in a new one
         config.stash[session.restart_key] = f"{cell.id} failed with '{done.poison}'"
         request.session.shouldstop = f"{config.stash[session.restart_key]}: the rest of the run needs a fresh process"
@@ -82,6 +83,7 @@ test_cell.matrix_test = "cell"  # the plugin parametrizes it with the selected c
 
 
 def test_explore(explore_target, tmp_path, request, isolated_torch_state):
+    from matrix.execute.cell_run import tidy_workdir
     from matrix.explore.exploration import Budget, exploration_record, explore
     from matrix.plugin import session
 
@@ -104,6 +106,7 @@ def test_explore(explore_target, tmp_path, request, isolated_torch_state):
     )
     request.node.user_properties.append((session.EXPLORATION_PROPERTY, exploration_record(exploration, catalogue)))
     new = [f for f in exploration.findings if f.status == "new"]
+    tidy_workdir(tmp_path, "failed" if new else "passed", keep=config.getoption("matrix_keep_cell_files"))
     if new:
         pytest.fail(
             "\n\n".join(

@@ -221,6 +221,13 @@ OPTIONS: tuple[Option, ...] = (
         check=natural,
     ),
     Option("--strict-known", "a cell the catalogue says fails but that passes (fixed) fails the run", flag_only=True),
+    Option(
+        "--keep-cell-files",
+        "keep every cell's working directory (its checkpoints, exports and ranks' files, under pytest's "
+        "basetemp); by default one is removed once the cell is recorded, unless the cell failed in a way the "
+        "catalogue does not explain",
+        flag_only=True,
+    ),
 )
 BY_DEST = {option.dest: option for option in OPTIONS}
 BY_FLAG = {option.flag: option for option in OPTIONS}
