@@ -21,6 +21,8 @@ from matrix.releases.entry_releases import (
     PAGE,
     VERDICTS,
     _same_release,
+    install_group,
+    masking_entries,
     page_markdown,
     releases_named,
     seen_signature,
@@ -86,6 +88,9 @@ def _row(role, ran, status, matches):
         (_row("fixed", True, 0, None), "fixed there"),
         (_row("fixed", True, 1, True), "differs"),
         (_row("named", False, None, None), "not run here"),
+        ({**_row("fixed", True, 1, False), "masked_by": ["another-entry"]}, "another bug first"),
+        ({**_row("named", True, 1, False), "masked_by": ["another-entry"]}, "another bug first"),
+        ({**_row("named", True, 2, False), "masked_by": ["another-entry"]}, "differs"),  # not the check's exit
     ],
 )
 def test_verdict_from_the_scripts_exit(row, verdict):
@@ -117,6 +122,20 @@ def test_the_scripts_failure_reads_as_the_matrix_signature_its_entry_matches():
     assert seen_signature({"phase": None, "failure": None}, "") is None
 
 
+def test_a_failure_another_entry_explains_on_that_release_names_it():
+    """deepspeed 0.18.6 zeroes ZeRO-0's bf16 gradients, but tiny-llama's bf16 curve still leaves the
+    torch engine's there: AdamW stepped once at construction, another entry, in force since 0.17.6."""
+    entries = load().entries
+    fixed = next(e for e in entries if e.id == "deepspeed-zero0-bf16-gradients-not-zeroed")
+    seen = "train_steps: matrix.checks.CurveDiverged: the training loss curve leaves the torch engine's at step <n> @ "
+    cell = "tiny-llama-bf16-mixed-train-cpu-deepspeed-zero0"
+    versions = {"deepspeed": "0.18.6", "torch": "2.13.0", "transformers": "5.24.0"}
+    masking = masking_entries(fixed, cell, seen, versions, entries)
+    assert masking == ["deepspeed-zero0-bf16-adamw-stepped-at-construction"]
+    assert masking_entries(fixed, cell, seen, {**versions, "deepspeed": "0.14.0"}, entries) == []  # not in force
+    assert masking_entries(fixed, cell, "evaluate: RuntimeError: other", versions, entries) == []  # not its failure
+
+
 def _page_rows(page: Path = PAGE) -> list[dict]:
     return json.loads(page.with_suffix(".json").read_text())["rows"]
 
@@ -143,6 +162,40 @@ def test_the_page_has_every_bug_entry_and_verdicts_that_follow_from_the_exits():
         elif Version(row["release"]).public == row["release"]:
             assert specifier.contains(Version(row["release"])), f"{where}: {specifier} does not admit it"
     assert PAGE.read_text() == page_markdown(rows), "the page is written from its JSON: regenerate it"
+
+
+class PipInMemory:
+    """A scratch environment whose pip only keeps a table of what is installed: enough to see what
+    each row group runs with, without installing anything."""
+
+    def __init__(self, baseline: dict[str, str]):
+        self._baseline, self.now = dict(baseline), dict(baseline)
+
+    def baseline(self) -> dict[str, str]:
+        return dict(self._baseline)
+
+    def pip(self, command: str, *args: str) -> subprocess.CompletedProcess:
+        names = [a for a in args if not a.startswith("-")]
+        if command == "install":
+            self.now.update(tuple(a.lower().split("==")) for a in names)
+        elif command == "uninstall":
+            for name in names:
+                self.now.pop(name, None)
+        listed = [{"name": n, "version": v} for n, v in self.now.items()] if command == "list" else []
+        return subprocess.CompletedProcess([command, *args], 0, json.dumps(listed), "")
+
+
+def test_each_row_group_runs_on_the_baseline_with_only_its_own_releases():
+    """A group's releases go into the stack as built, never over the group before: bitsandbytes
+    rows once ran over a transformers 4.x an earlier group left behind, and failed in its check."""
+    baseline = {"transformers": "5.24.0", "bitsandbytes": "0.50.2", "torch": "2.13.0"}
+    env = PipInMemory(baseline)
+    install_group(env, ("transformers==4.50.0", "accelerate==1.5.2"), log=lambda line: None)
+    assert env.now == {**baseline, "transformers": "4.50.0", "accelerate": "1.5.2"}
+    install_group(env, ("bitsandbytes==0.46.1",), log=lambda line: None)
+    assert env.now == {**baseline, "bitsandbytes": "0.46.1"}
+    assert install_group(env, (), log=lambda line: None) is None  # a group of the baseline's own releases
+    assert env.now == baseline
 
 
 SCRATCH = ROOT / ".bisect" / "default" / ".bisect-stack"

@@ -15,7 +15,9 @@ version where that meets the entry, else the newest release it admits goes in be
 
 The expectation: exit 1 on a named release with the entry's check (the script's failure, written
 as the matrix writes a signature, matches the entry's pattern): "shows it"; exit 0 on the fixed
-release: "fixed there"; anything else: "differs", with what happened. A row that cannot run here
+release: "fixed there"; exit 1 with a failure another entry explains (it selects the cell, the row's
+releases meet it, its pattern matches): "another bug first", naming it; anything else: "differs",
+with what happened. A row that cannot run here
 says what it needs: a GPU, a hardware condition of the entry, a torch release (the scratch
 environment keeps its stack's torch), a release pip cannot install, an extra the script's writer
 lacks, or the time the budget left. Rows not run by this invocation keep what an earlier one
@@ -53,7 +55,7 @@ WRITE_TIMEOUT_S = 600
 KEPT = ("torch",)  # the scratch environment's own: a release of it is a stack, not a row's install
 # the order rows are run in: cheap installs first (deepspeed builds its wheel from source)
 INSTALL_ORDER = ("transformers", "accelerate", "bitsandbytes", "lightning", "peft", "liger-kernel", "torchao")
-VERDICTS = ("shows it", "fixed there", "differs", "not run here")
+VERDICTS = ("shows it", "fixed there", "another bug first", "differs", "not run here")
 BUDGET_REASON = "the time budget ran out before it"
 
 
@@ -84,9 +86,29 @@ def verdict_of(row: dict) -> str:
     """A row's verdict from what the script did: its exit and whether its failure is the entry's."""
     if not row["ran"]:
         return "not run here"
+    if row["exit"] == 1 and not row["matches_entry"] and row.get("masked_by"):
+        return "another bug first"
     if row["role"] == "fixed":
         return "fixed there" if row["exit"] == 0 else "differs"
     return "shows it" if row["exit"] == 1 and row["matches_entry"] else "differs"
+
+
+def masking_entries(entry, cell_id: str, seen: str | None, versions: dict[str, str], entries) -> list[str]:
+    """The other catalogue entries that explain the script's failure where it is not the entry's own:
+    they select the cell, the row's releases meet their versions, and their pattern matches what the
+    script raised. A cell can carry two bugs; the one in the earlier phase, or the earlier check of
+    a phase, is the one its script shows (tiny-llama's ZeRO-0 bf16 curve carries AdamW's extra step
+    on every release since 0.17.6, whether or not the gradients are zeroed)."""
+    from matrix.selection.cells import cell_from_id
+
+    cell = cell_from_id(cell_id)
+    if seen is None or cell is None:
+        return []
+    return [
+        other.id
+        for other in entries
+        if other.id != entry.id and other.selects(cell) and other.versions_hold(versions) and other.matches(seen)
+    ]
 
 
 # ---------------------------------------------------------------- the script's failure as a signature
@@ -169,6 +191,7 @@ def _row(entry, package: str, release: str, role: str) -> dict:
         "check": None,
         "seen": None,
         "matches_entry": None,
+        "masked_by": [],
         "note": "not run yet",
         "companions": [],
         "ran_at": None,
@@ -392,7 +415,17 @@ def run_script(
     return process.returncode, outcome, (stderr or "")[-20000:] + (stdout or "")[-4000:]
 
 
-def record(row: dict, entry, status: int | None, outcome: dict, output: str, seconds: float, where: str) -> None:
+def record(
+    row: dict,
+    entry,
+    status: int | None,
+    outcome: dict,
+    output: str,
+    seconds: float,
+    where: str,
+    masking=lambda seen: [],
+) -> None:
+    """The script's run, into its row. `masking(seen)`: the other entries that explain a failure."""
     row.update(ran=True, exit=status, ran_at=time.strftime("%Y-%m-%d", time.gmtime()), machine=where)
     row["seconds"] = round(seconds, 1)
     row["phase"] = outcome.get("phase")
@@ -400,12 +433,15 @@ def record(row: dict, entry, status: int | None, outcome: dict, output: str, sec
     row["check"] = failing_check(outcome)
     row["seen"] = seen_signature(outcome, output) if outcome else None
     row["matches_entry"] = bool(row["seen"] and entry.matches(row["seen"]))
+    row["masked_by"] = masking(row["seen"]) if status == 1 and not row["matches_entry"] else []
     if status is None:
         row["note"] = output
     elif not outcome:
         row["note"] = f"exit {status} without its outcome: {_last_line(output, 'no output')[:200]}"
     elif status == 0:
         row["note"] = "every check held"
+    elif status == 1 and row["masked_by"]:
+        row["note"] = f"fails first with {', '.join(row['masked_by'])}, which the catalogue names for this release"
     elif status == 1 and not row["matches_entry"]:
         row["note"] = "its failure is not the entry's (the entry's pattern does not match it)"
     elif status == 2:
@@ -413,6 +449,18 @@ def record(row: dict, entry, status: int | None, outcome: dict, output: str, sec
     else:
         row["note"] = ""
     row["verdict"] = verdict_of(row)
+
+
+def install_group(env: ScratchEnvironment, key: tuple[str, ...], log=print):
+    """A group's releases installed into the baseline, not over the group before it: a row runs with
+    its own releases and the stack's everything else (pip's process, or None where the group needs
+    nothing). Without the reset, rows of bitsandbytes and deepspeed releases ran over the
+    transformers 4.x that an earlier group had left, and failed in ways their releases do not."""
+    restore_all(env, log)
+    if not key:
+        return None
+    log(f"installing {' '.join(key)}")
+    return env.pip("install", "-q", *key)
 
 
 def _same_release(installed: str | None, release: str) -> bool:
@@ -522,14 +570,12 @@ def _run_rows(env, entries, selected, releases, previous, deadline, writer, plug
                             group.append(row)
                     if not group:
                         continue
-                    if key:
-                        log(f"installing {' '.join(key)}")
-                        done = env.pip("install", "-q", *key)
-                        if done.returncode:
-                            for row in group:
-                                row["note"] = f"needs {' '.join(key)}, which pip does not install here: "
-                                row["note"] += _last_line(done.stderr)
-                            continue
+                    done = install_group(env, key, log)
+                    if done is not None and done.returncode:
+                        for row in group:
+                            row["note"] = f"needs {' '.join(key)}, which pip does not install here: "
+                            row["note"] += _last_line(done.stderr)
+                        continue
                     for row in group:
                         if time.monotonic() > deadline:
                             row["note"] = BUDGET_REASON
@@ -540,7 +586,13 @@ def _run_rows(env, entries, selected, releases, previous, deadline, writer, plug
                         start = time.perf_counter()
                         left = max(120.0, min(SCRIPT_TIMEOUT_S, deadline - time.monotonic() + 120))
                         status, outcome, output = run_script(env, scripts[entry.id], shadow, work, left)
-                        record(row, entry, status, outcome, output, time.perf_counter() - start, where)
+                        versions = {**baseline, **dict(r.lower().split("==") for r in key)}
+
+                        def masking(seen, entry=entry, row=row, versions=versions):
+                            return masking_entries(entry, row["cell"], seen, versions, entries)
+
+                        seconds = time.perf_counter() - start
+                        record(row, entry, status, outcome, output, seconds, where, masking)
                         log(
                             f"  {entry.id} on {row['package']}=={row['release']} ({row['role']}): exit {status}, "
                             f"{row['verdict']} ({row['seconds']:.0f} s)"
@@ -623,8 +675,9 @@ def page_markdown(rows: list[dict]) -> str:
         "(`python -m matrix repro`), run in the stack's scratch environment with each release the entry's "
         "`versions` names installed and nothing of this project importable. A named release (the lowest and "
         "the newest its specifier admits) should exit 1 with the entry's check; the fixed release (an upper "
-        'bound `<X`) should exit 0. Verdicts: "shows it", "fixed there", "differs" (what happened is in '
-        'the row), "not run here" (what the row needs).',
+        'bound `<X`) should exit 0. Verdicts: "shows it", "fixed there", "another bug first" (the script '
+        "fails with another entry the catalogue names for the cell on that release, which hides this one), "
+        '"differs" (what happened is in the row), "not run here" (what the row needs).',
         "",
         "Rows: " + ", ".join(f"{counts[v]} {v}" for v in VERDICTS) + ".",
         "",
@@ -639,7 +692,7 @@ def page_markdown(rows: list[dict]) -> str:
             release += " with " + ", ".join(row["companions"])
         status = "-" if not row["ran"] else ("timeout" if row["exit"] is None else str(row["exit"]))
         verdict = row["verdict"]
-        if verdict in ("differs", "not run here") and row["note"]:
+        if verdict in ("another bug first", "differs", "not run here") and row["note"]:
             verdict += f": {row['note']}"
         cells = [row["entry"], f"`{row['cell']}`", release, status, check_text(row), verdict]
         lines.append("| " + " | ".join(_escape(c) for c in cells) + " |")
