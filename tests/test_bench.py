@@ -78,6 +78,12 @@ def test_a_small_real_measurement_gives_consistent_figures(tmp_path):
     )
     assert 0 < slowest["total_s"] <= per_engine["compute_s"]
     assert "## Cell cost per engine" in done.stdout and "| torch | train | 1 |" in done.stdout
+    # each cell's floor: the time inside the torch loop's own calls, a part of the cell's time
+    floors = {(c["engine"], c["part"]): c for c in per_engine["floors"]}
+    assert set(floors) == set(costs)
+    assert all(0 < floors[key]["total_s"] < costs[key]["total_s"] for key in costs)
+    ratio = costs[("torch", "train")]["total_s"] / floors[("torch", "train")]["total_s"]
+    assert f"| {ratio:.1f}x |" in done.stdout
 
     assert done.stdout.startswith("# Benchmarks")
     assert "extrapolated from 1 of 2 cells" in done.stdout

@@ -109,3 +109,37 @@ def vars_of(record) -> list:
     import dataclasses
 
     return [getattr(record, f.name) for f in dataclasses.fields(record)]
+
+
+def test_the_library_clock_counts_the_outermost_library_call_once(monkeypatch):
+    """metrics.library_seconds (matrix/harness/library_clock.py): the time inside an engine's library
+    calls, a call made from inside another counted in the outer one only, any other attribute the
+    engine's own."""
+    from matrix.harness import library_clock
+
+    now = [0.0]
+    monkeypatch.setattr(library_clock, "perf_counter", lambda: now[0])
+
+    class Loop:
+        owns_loop = True
+
+        def train(self, state, run, steps):
+            now[0] += 1.0
+            return clock.evaluate(state, run)  # a library callback that evaluates mid-train
+
+        def evaluate(self, state, run):
+            now[0] += 2.0
+            return "evaluated"
+
+        def weights(self, state, run):
+            now[0] += 4.0  # the harness reading the run: not a library call
+            return "weights"
+
+    metrics = CellMetrics()
+    clock = library_clock.LibraryClock(Loop(), metrics)
+    assert clock.owns_loop is True and clock.weights(None, None) == "weights"
+    assert metrics.library_seconds is UNSET  # reading weights is the harness's time
+    assert clock.train(None, None, 3) == "evaluated"
+    assert metrics.library_seconds == 3.0  # not 5: the nested evaluate counted once, in train
+    clock.evaluate(None, None)
+    assert metrics.library_seconds == 5.0

@@ -12,6 +12,8 @@ libraries' calls).
   consensus.py     - work written once for a process group, on whose outcome every rank agrees
   cell_state.py    - what the harness knows of a running cell, typed; CellState.begin, the one way
                      it is made
+  library_clock.py - the time inside the engine's library calls (a cell's floor), stood in front of
+                     the engine by CellState.begin
   measurements.py  - how the harness measures: evaluations, fp32 references, the models it makes,
                      seeded losses
   torch_step.py    - one optimizer step as the torch loop takes it, and a run of steps

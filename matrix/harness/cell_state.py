@@ -16,6 +16,7 @@ import torch
 from matrix.devices import DEVICES, Device
 from matrix.grid.cell import Cell
 from matrix.harness.group import SINGLE, Group
+from matrix.harness.library_clock import LibraryClock
 from matrix.models import ModelKind, declared_dtypes
 from matrix.models.base import EvalOutput
 from matrix.precisions.policies import Precision
@@ -131,6 +132,7 @@ class CellState:
         )
         if engine is not None:
             state.metrics.engine_settings = engine.settings(precision)
+            state.engine = LibraryClock(engine, state.metrics)
         return state
 
     @property

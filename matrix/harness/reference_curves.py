@@ -38,7 +38,7 @@ def reference_curve(state: CellState, precision) -> tuple[list[float] | None, st
     kind = state.kind
     engine = state.engine
     key = (type(kind), kind.name, kind.variant, precision, str(state.device), steps, initial_weights())
-    key += (engine.max_grad_norm, type(engine).decayed_parameters)  # the library's optimizer, replicated
+    key += (engine.max_grad_norm, engine.decayed_parameters.__func__)  # the library's optimizer, replicated
     if key in _REFERENCE_CURVES:
         return _REFERENCE_CURVES[key]
     reference = dataclasses.replace(

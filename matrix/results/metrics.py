@@ -343,6 +343,7 @@ class CellMetrics(Record):
     cross_engine: CrossEngine | None = UNSET  # against the torch engine
     curve: Curve | None = UNSET  # the training loss curve against the torch engine's and the fp32 twin's
     placement_restored: list | None = UNSET  # a library's move of the model undone: after, by, ...
+    library_seconds: float | None = UNSET  # inside the engine's library calls: the cell's floor (library_clock.py)
     loss_decrease: LossDecrease | None = UNSET  # the training loss's fall and its bound
     checkpoint_files: list | None = UNSET  # the files the checkpoint wrote
     accelerate_state_files: list | None = UNSET  # accelerate's save_state files (accelerate-fsdp2)

@@ -1,6 +1,7 @@
 """Where a run's cell time went: each engine's cells and phases, from results.json (a cell's
-`duration_s` and `phase_seconds`). summary.md shows the slowest phases, BENCHMARKS.md each
-engine's cost per cell. Standard library only."""
+`duration_s` and `phase_seconds`) and its floor (`metrics.library_seconds`, the time inside the
+engine's library calls). summary.md shows the slowest phases, BENCHMARKS.md each engine's cost
+per cell beside its floor. Standard library only."""
 
 from __future__ import annotations
 
@@ -45,6 +46,18 @@ def engine_costs(cells: list[dict]) -> list[Cost]:
     found: dict[tuple[str, str], list[float]] = {}
     for cell in ran(cells):
         found.setdefault((cell["engine"], cell["mode"]), []).append(cell["duration_s"])
+    return [_cost(engine, mode, seconds) for (engine, mode), seconds in found.items()]
+
+
+def floor_costs(cells: list[dict]) -> list[Cost]:
+    """Each engine's floor per mode: the seconds its cells spent inside the engine's library calls
+    (metrics.library_seconds, matrix/harness/library_clock.py), over the cells that ran and
+    recorded it. Cells of runs before it was recorded count in none."""
+    found: dict[tuple[str, str], list[float]] = {}
+    for cell in ran(cells):
+        seconds = (cell.get("metrics") or {}).get("library_seconds")
+        if isinstance(seconds, (int, float)):
+            found.setdefault((cell["engine"], cell["mode"]), []).append(float(seconds))
     return [_cost(engine, mode, seconds) for (engine, mode), seconds in found.items()]
 
 

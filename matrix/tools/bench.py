@@ -189,7 +189,7 @@ def run_matrix(runner: list[str], pytest_args: list[str], repeat: int, report_di
 def run_per_engine(runner: list[str], extra: list[str], report_dir: Path) -> dict:
     """The CPU matrix over every engine (`--device cpu` and the extra pytest args), once: what each
     engine's cells cost, per mode, and where in the pipeline their time goes (phase_costs)."""
-    from matrix.results.phase_costs import engine_costs, phase_costs, ran
+    from matrix.results.phase_costs import engine_costs, floor_costs, phase_costs, ran
 
     pytest_args = ["--device", "cpu", *extra]
     command = [*runner, *pytest_args, "--report-dir", str(report_dir), "--run-id", "per-engine"]
@@ -211,6 +211,7 @@ def run_per_engine(runner: list[str], extra: list[str], report_dir: Path) -> dic
         "counts": results["counts"],
         "compute_s": sum(c["duration_s"] for c in ran(cells)),
         "engines": [asdict(cost) for cost in engine_costs(cells)],
+        "floors": [asdict(cost) for cost in floor_costs(cells)],
         "slowest_phase": slowest,
     }
 
@@ -222,17 +223,27 @@ def per_engine_markdown(per_engine: dict, runner: str) -> list[str]:
         "",
         f"`{runner} {shlex.join(per_engine['pytest_args'])}`: {counts}; {per_engine['wall_s']:.1f} s wall, "
         f"{per_engine['compute_s']:.1f} s in the cells that ran (their `duration_s`). Each engine's cells that "
-        "ran, per mode, and its slowest phase in all (`phase_seconds`).",
+        "ran, per mode; its floor, the time those cells spent inside the engine's own library calls (start, "
+        "train, evaluate, save, export, restore, close: `metrics.library_seconds`); how many times the floor "
+        "the cells took; and its slowest phase in all (`phase_seconds`).",
         "",
-        "| engine | mode | cells | median cell | total | engine's slowest phase |",
-        "|---|---|---|---|---|---|",
+        "| engine | mode | cells | median cell | total | floor: median | floor: total | cell / floor "
+        "| engine's slowest phase |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    floors = {(f["engine"], f["part"]): f for f in per_engine.get("floors", [])}
     for cost in per_engine["engines"]:
         phase = per_engine["slowest_phase"].get(cost["engine"])
         where = f"{phase['part']}: {phase['total_s']:.1f} s, median {phase['median_s']:.3f} s" if phase else "-"
+        floor = floors.get((cost["engine"], cost["part"]))
+        if floor and floor["cells"] == cost["cells"] and floor["total_s"] > 0:
+            times = cost["total_s"] / floor["total_s"]
+            floor_text = f"{floor['median_s']:.3f} s | {floor['total_s']:.1f} s | {times:.1f}x"
+        else:
+            floor_text = "- | - | -"  # not recorded by every cell of the row
         lines.append(
             f"| {cost['engine']} | {cost['part']} | {cost['cells']} | {cost['median_s']:.3f} s "
-            f"| {cost['total_s']:.1f} s | {where} |"
+            f"| {cost['total_s']:.1f} s | {floor_text} | {where} |"
         )
     return [*lines, ""]
 
