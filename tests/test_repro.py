@@ -246,3 +246,25 @@ def test_a_compiled_twins_script_compares_with_its_eager_twin_as_the_matrix_does
     assert loss["reference"] == metrics["compiled"]["eager_loss"]
     (dtype,) = [c for c in checks if c["what"] == "compiled eval logits dtype"]
     assert dtype["value"] == dtype["reference"] == f"torch.{metrics['compiled']['eager_logits_dtype']}"
+
+
+def test_a_reload_allows_what_the_class_keeps_in_fp32_as_the_matrix_does(tmp_path):
+    """XLNet keeps some of its attention weights fp32 when from_pretrained loads it in bf16: the matrix's
+    reload check allows what the class declares and creates fp32 (matrix/models/declared_dtypes.py),
+    whatever the cell's weights came from, and the reloaded model then fails in its einsum. The
+    script allows the same tensors, so it fails where the cell fails and with the same error (it
+    once counted only _keep_in_fp32_modules, and only for loaded weights, and stopped at a dtype
+    change instead)."""
+    cell = "hf:xlnet-bf16-true-eval-cpu-torch"
+    reports = tmp_path / "reports"
+    command = [sys.executable, "-m", "matrix", "run", "cases", "--model", "hf:xlnet", "--precision", "bf16-true"]
+    command += ["--mode", "eval", "--engine", "torch", "--device", "cpu", "--report-dir", str(reports), "--run-id", "x"]
+    subprocess.run([*command, "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    record = record_of(reports / "x", cell)
+    assert record["phase"] == "checkpoint_reload" and record["signature"]["exception"] == "RuntimeError", record
+    script = write_script(cell, reports / "x", tmp_path)
+    done = run_standalone(script, tmp_path)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    reproduced = done.stdout.strip().splitlines()[-1]
+    assert reproduced.startswith("REPRODUCED in checkpoint_reload: RuntimeError: "), reproduced
+    assert normalize_message(reproduced.split(": ", 2)[2]) == record["signature"]["message"]

@@ -307,6 +307,9 @@ def write_script(cell_id: str, run: Path | None, variant: str | None, world: int
         "DEVICE": cell.device if cell.device == "cpu" else f"{cell.device}:0",
         "DEVICE_TYPE": cell.device,
         "CELL": precision_settings(precision),
+        # the kind's reload goes through from_pretrained in the precision's dtype, which keeps what
+        # the class declares fp32 (ModelKind.loaded_in_dtype): the reload's dtype check allows those
+        "RELOAD_KEEPS_DECLARED_FP32": kind.loaded_in_dtype(precision, reloaded=True),
         "FP32": fp32,
         "FP32_TWIN": {**fp32, "grad_accumulation": precision.grad_accumulation},
         "RUN_AUTOCAST": run_autocast,

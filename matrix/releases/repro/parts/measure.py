@@ -93,13 +93,41 @@ def same_dtypes(before, model, what, fp32_names=()):
 
 
 def declared_fp32(model):
-    """Names from_pretrained keeps in fp32 by the class's _keep_in_fp32_modules(_strict)."""
-    patterns = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    """Names from_pretrained keeps in fp32 when it loads the model in the precision's half dtype, as
+    the matrix counts them: the modules the class declares (its dtype plan where it has one, else
+    _keep_in_fp32_modules for float16 and _keep_in_fp32_modules_strict), and the tensors the class
+    itself creates in fp32 (a build from the config in that dtype shows them; a non-persistent
+    buffer is made again on load, so a cast of it is still a change)."""
+    import copy
+    import re
+
+    dtype = CELL["weights"]
+    declaring = next((m for m in model.modules() if hasattr(m, "_keep_in_fp32_modules") and hasattr(m, "config")), None)
+    if declaring is None or dtype not in (torch.float16, torch.bfloat16):
+        return set()
+    plan = getattr(declaring, "_get_dtype_plan", None)
+    if plan is not None:
+        patterns = [p for p, kept in plan(dtype).items() if kept == torch.float32]
+    else:
+        patterns = list(getattr(declaring, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else []
+        patterns += list(getattr(declaring, "_keep_in_fp32_modules_strict", None) or [])
+    created = []
+    build = getattr(type(declaring), "_from_config", None)
+    if build is not None:
+        import transformers
+        from packaging.version import Version
+
+        keyword = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        with torch.random.fork_rng(devices=[]):
+            built = build(copy.deepcopy(declaring.config), **{keyword: dtype})
+        saved = built.state_dict().keys()
+        tensors = [*built.named_parameters(), *((n, b) for n, b in built.named_buffers() if n in saved)]
+        created = [n for n, t in tensors if t.dtype == torch.float32]
     found = set()
     for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, _ in tensors:
-            if any(p in name.split(".") or name.startswith(p + ".") or f".{p}." in f".{name}" for p in patterns):
+            declared = any(re.search(p.replace("*", ".*"), name) for p in patterns)
+            if declared or any(name == c or name.endswith("." + c) for c in created):
                 found.add(f"{kind} {name}")
     return found
 

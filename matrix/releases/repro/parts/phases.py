@@ -265,7 +265,7 @@ def checkpoint_save(cell):
 
 def checkpoint_reload(cell):
     reloaded = reload(cell.export, CELL)
-    declared = declared_fp32(reloaded) if CELL["weights_from"] == "load" else ()
+    declared = declared_fp32(reloaded) if RELOAD_KEEPS_DECLARED_FP32 else ()
     same_dtypes(cell.exported_dtypes, reloaded, "after reload", declared)
     frozen_kept(reloaded, "after reload")
     outputs_equal("eval logits", cell.exported_logits, evaluate_as_run(reloaded)[1])

@@ -182,7 +182,7 @@ def checkpoint_reload(cell):
     it holds, saved before it is evaluated (a CPU inference repacks 4-bit weights), go through the
     two other saves users make; then the engine's own resume path."""
     reloaded = reload(cell.export, CELL)
-    declared = declared_fp32(reloaded) if CELL["weights_from"] == "load" else ()
+    declared = declared_fp32(reloaded) if RELOAD_KEEPS_DECLARED_FP32 else ()
     same_dtypes(cell.exported_dtypes, reloaded, "after reload", declared)
     frozen_kept(reloaded, "after reload")
     check_storage(reloaded, CELL["quantization"], "after reload")
