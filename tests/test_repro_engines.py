@@ -3,11 +3,14 @@ generated from a real run made here, run with nothing of this project importable
 script exits 1 with the check (or exception) the matrix recorded, a passing cell's exits 0 with
 the numbers the matrix recorded."""
 
+import importlib.metadata
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +39,12 @@ def matrix_run_of(cells: dict, report_dir, *selection: str):
     return report_dir / "run", found
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def script_of(cell, run, tmp_path, limit_s: int):
     """The cell's script, run on its own (a distributed engine's ranks started by it), nothing of
     this project importable: (the process, its --json outcome)."""
@@ -43,7 +52,8 @@ def script_of(cell, run, tmp_path, limit_s: int):
 
     script = tmp_path / f"{cell}.py"
     script.write_text(generate(cell, run))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")}
+    # TORCH_EXTENSIONS_DIR left out too: where a DeepSpeed script builds its ops is the script's choice
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR", "TORCH_EXTENSIONS_DIR")}
     out = tmp_path / "out.json"
     done = subprocess.run(
         [sys.executable, str(script), "--json", str(out)],
@@ -113,6 +123,10 @@ def test_deepspeed_script_reproduces_the_catalogued_failure(cell, deepspeed_run,
         assert [c["held"] for c in steps] == [deviation <= allowed for deviation, allowed in judged]  # as recorded
     if cell.endswith("deepspeed-zero0"):
         assert "AdamW steps taken at construction: 1" in done.stdout  # the mechanism the entry names
+    # its ops built in a directory of this torch and DeepSpeed release's, not in the one every release
+    # shares, where another release's build of deepspeed_shm_comm once lacked what this one calls
+    release = f"torch-{torch_version()}-deepspeed-{importlib.metadata.version('deepspeed')}"
+    assert (Path(tempfile.gettempdir(), "repro-torch-extensions", release, "deepspeed_shm_comm")).is_dir()
 
 
 @needs_deepspeed

@@ -95,19 +95,30 @@ def verdict_of(row: dict) -> str:
 
 def masking_entries(entry, cell_id: str, seen: str | None, versions: dict[str, str], entries) -> list[str]:
     """The other catalogue entries that explain the script's failure where it is not the entry's own:
-    they select the cell, the row's releases meet their versions, and their pattern matches what the
-    script raised. A cell can carry two bugs; the one in the earlier phase, or the earlier check of
-    a phase, is the one its script shows (tiny-llama's ZeRO-0 bf16 curve carries AdamW's extra step
-    on every release since 0.17.6, whether or not the gradients are zeroed)."""
+    they select the cell, the row's releases meet their versions, their hardware and run conditions
+    hold on this machine, and their pattern matches what the script raised. A cell can carry two
+    bugs, and its script shows the one in the earlier phase (bitsandbytes 0.47.0 no longer turns the
+    int8 training NaN, and the same cell's reload still differs, bnb-int8-saved-base-reloads-wrong).
+    An entry with a condition on what the cell measured (deepspeed-zero0-bf16-adamw-stepped-at-construction
+    holds where AdamW stepped before the first step) is never one: the script does not report it,
+    so a failure that only such an entry would explain stays "differs"."""
+    from matrix.catalogue.entries import local_context
     from matrix.selection.cells import cell_from_id
 
     cell = cell_from_id(cell_id)
     if seen is None or cell is None:
         return []
+    context = local_context()
     return [
         other.id
         for other in entries
-        if other.id != entry.id and other.selects(cell) and other.versions_hold(versions) and other.matches(seen)
+        if other.id != entry.id
+        and not any(requirement.reads == "cell" for requirement in other.when)
+        and not other.unmet(context, "hardware")
+        and not other.unmet(context, "run")
+        and other.selects(cell)
+        and other.versions_hold(versions)
+        and other.matches(seen)
     ]
 
 
@@ -433,22 +444,39 @@ def record(
     row["check"] = failing_check(outcome)
     row["seen"] = seen_signature(outcome, output) if outcome else None
     row["matches_entry"] = bool(row["seen"] and entry.matches(row["seen"]))
-    row["masked_by"] = masking(row["seen"]) if status == 1 and not row["matches_entry"] else []
+    row["masked_by"] = []
     if status is None:
         row["note"] = output
     elif not outcome:
         row["note"] = f"exit {status} without its outcome: {_last_line(output, 'no output')[:200]}"
     elif status == 0:
         row["note"] = "every check held"
-    elif status == 1 and row["masked_by"]:
-        row["note"] = f"fails first with {', '.join(row['masked_by'])}, which the catalogue names for this release"
-    elif status == 1 and not row["matches_entry"]:
-        row["note"] = "its failure is not the entry's (the entry's pattern does not match it)"
     elif status == 2:
         row["note"] = "another failure than the matrix's (exit 2)"
     else:
         row["note"] = ""
+    judge(row, entry, masking)
+
+
+def judge(row: dict, entry, masking=lambda seen: []) -> None:
+    """A row's verdict from what its script did, against the catalogue as it is now: whether an exit
+    1 is the entry's failure, or one another entry explains (`masking(seen)`: their ids)."""
+    if row["ran"] and row["exit"] == 1 and row["seen"]:
+        row["matches_entry"] = entry.matches(row["seen"])
+        row["masked_by"] = [] if row["matches_entry"] else masking(row["seen"])
+        if row["masked_by"]:
+            row["note"] = f"fails first with {', '.join(row['masked_by'])}, which the catalogue names for this release"
+        elif not row["matches_entry"]:
+            row["note"] = "its failure is not the entry's (the entry's pattern does not match it)"
+        else:
+            row["note"] = ""
     row["verdict"] = verdict_of(row)
+
+
+def row_versions(row: dict, baseline: dict[str, str]) -> dict[str, str]:
+    """The releases a row's script ran with: the stack's, with the row's release and companions in."""
+    installed = [f"{row['package']}=={row['release']}", *row["companions"]]
+    return {**baseline, **dict(r.lower().split("==", 1) for r in installed)}
 
 
 def install_group(env: ScratchEnvironment, key: tuple[str, ...], log=print):
@@ -514,11 +542,22 @@ def run(
     main_thread = threading.current_thread() is threading.main_thread()
     stopped_by = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # still puts the environment back
     try:
-        rows, chosen = _run_rows(env, entries, selected, releases, previous, deadline, writer, plugins, where, log)
+        rows, chosen, baseline = _run_rows(
+            env, entries, selected, releases, previous, deadline, writer, plugins, where, log
+        )
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, stopped_by)
     merged = merge(entries, rows, previous, {id(r) for r in chosen})
+    # the rows kept from earlier runs, judged against the catalogue as it is now (its patterns and
+    # entries may have changed since): what their scripts did stays as recorded
+    by_id, fresh = {e.id: e for e in entries}, {id(r) for r in rows}
+    for row in merged:
+        if id(row) not in fresh and row["entry"] in by_id:
+            versions = row_versions(row, baseline)
+            entry = by_id[row["entry"]]
+            row.setdefault("masked_by", [])
+            judge(row, entry, lambda seen, e=entry, r=row, v=versions: masking_entries(e, r["cell"], seen, v, entries))
     write(merged, page)
     log(f"written: {page}, {page.with_suffix('.json')}")
     return merged
@@ -586,7 +625,7 @@ def _run_rows(env, entries, selected, releases, previous, deadline, writer, plug
                         start = time.perf_counter()
                         left = max(120.0, min(SCRIPT_TIMEOUT_S, deadline - time.monotonic() + 120))
                         status, outcome, output = run_script(env, scripts[entry.id], shadow, work, left)
-                        versions = {**baseline, **dict(r.lower().split("==") for r in key)}
+                        versions = row_versions(row, baseline)
 
                         def masking(seen, entry=entry, row=row, versions=versions):
                             return masking_entries(entry, row["cell"], seen, versions, entries)
@@ -601,7 +640,7 @@ def _run_rows(env, entries, selected, releases, previous, deadline, writer, plug
                 restore_all(env, log)
     for row in rows:
         row["verdict"] = verdict_of(row)
-    return rows, chosen
+    return rows, chosen, baseline
 
 
 def _stop(signum, frame):

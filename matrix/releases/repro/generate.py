@@ -355,6 +355,8 @@ def write_script(cell_id: str, run: Path | None, variant: str | None, world: int
     shared_parts = [part("distributed.py")] if engine.distributed and "(RankEngine)" in engine_code else []
     # the step replay of a loop its library runs in one go, for an engine part built on ReplayedLoop
     shared_parts += [part("library_loop.py")] if "(ReplayedLoop)" in engine_code else []
+    # where DeepSpeed builds its ops: a directory per release, not the one every release shares
+    shared_parts += [part("deepspeed_ops.py")] if "deepspeed" in engine_part(engine).name else []
     return "\n\n".join(
         [
             header,

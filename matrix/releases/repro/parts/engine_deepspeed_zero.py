@@ -6,8 +6,8 @@ the engine makes it (ZeRO 1-3 training: the consolidated fp32 state dict of the 
 zero_to_fp32; otherwise the fp32 master weights in memory). Defines ENGINE for the phases, on
 RankEngine (parts/distributed.py: the group, a rank's rows, the gathered evaluation). The
 deepspeed_shm_comm op DeepSpeed's CPU accelerator builds on first use is built (once, about a
-minute on a small CPU) where torch keeps its extensions: TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions. Not imported: text of the script."""
+minute on a small CPU) in a directory of this script's per torch and DeepSpeed release
+(parts/deepspeed_ops.py), unless TORCH_EXTENSIONS_DIR names one. Not imported: text of the script."""
 
 DS_TAG = "step-k"  # the checkpoint written after step k
 DS_INITIAL_SCALE_POWER = 16  # torch.amp.GradScaler starts at 2**16 too
