@@ -268,3 +268,25 @@ def test_a_reload_allows_what_the_class_keeps_in_fp32_as_the_matrix_does(tmp_pat
     reproduced = done.stdout.strip().splitlines()[-1]
     assert reproduced.startswith("REPRODUCED in checkpoint_reload: RuntimeError: "), reproduced
     assert normalize_message(reproduced.split(": ", 2)[2]) == record["signature"]["message"]
+
+
+def test_a_scripts_failure_message_is_the_one_the_matrix_reads(run_dir, tmp_path):
+    """The script records the whole message, as the matrix's signature reads it (message_of): a
+    load_state_dict error names its missing keys on the second line, which a catalogue pattern
+    matches; the script once kept the first line only, and its failure matched no entry."""
+    import ast
+
+    from matrix.results.signatures import message_of
+
+    script = write_script(FAILING[0], run_dir, tmp_path)
+    tree = ast.parse(script.read_text())
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("message_of", "first_line")]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(script), "exec"), namespace)
+    missing = RuntimeError(
+        "Error(s) in loading state_dict for PeftModel:\n\tMissing key(s) in state_dict: \"base.weight\"."
+    )
+    gathered = RuntimeError("CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n  ...\nValueError: x")
+    for exc in (missing, gathered, RuntimeError("one line"), RuntimeError()):
+        assert namespace["message_of"](exc) == message_of(exc)
+    assert namespace["first_line"](str(missing)) == "Error(s) in loading state_dict for PeftModel:"

@@ -689,7 +689,8 @@ def check_text(row: dict) -> str:
         return "every check held"
     parts = []
     if row["failure"]:
-        parts.append(f"{row['phase']}: {row['failure']['name']}: {row['failure']['message'][:160]}")
+        message = " ".join(row["failure"]["message"].split())  # a message of several lines, on one
+        parts.append(f"{row['phase']}: {row['failure']['name']}: {message[:160]}")
     if row["check"]:
         check = row["check"]
         parts.append(

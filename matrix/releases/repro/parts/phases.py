@@ -396,7 +396,7 @@ def run_phases():
             phase(cell)
         except Exception as exc:  # the cell's failure, or another: named below with its traceback
             name = exc.name if isinstance(exc, CheckFailed) else type(exc).__name__
-            failure = {"phase": phase.__name__, "name": name, "message": str(exc).splitlines()[0] if str(exc) else ""}
+            failure = {"phase": phase.__name__, "name": name, "message": message_of(exc)}
             if getattr(exc, "details", ""):
                 print(f"       {exc.details}")
                 failure["details"] = exc.details
@@ -447,6 +447,21 @@ def launch():
         return json.load(handle)
 
 
+def message_of(exc):
+    """The exception's message as the matrix reads it for a signature: the whole of it (a
+    load_state_dict error names the keys on its second line); for one that carries the tracebacks
+    of the failures it gathered, its first line and the innermost error's."""
+    message = str(exc) or (str(exc.args[0]) if exc.args else "")
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 2 and any(line.startswith("Traceback (most recent call last)") for line in lines):
+        return f"{lines[0]}: {lines[-1]}"
+    return message
+
+
+def first_line(message):
+    return (message.strip().splitlines() or [""])[0]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the outcome, every check's numbers and the environment here")
@@ -457,10 +472,10 @@ def main():
         outcome, line, status = "holds", "HOLDS: every check of the cell held", 0
     elif TARGET is None or (failure["phase"], failure["name"]) == (TARGET["phase"], TARGET["name"]):
         outcome, status = "reproduced", 1
-        line = f"REPRODUCED in {failure['phase']}: {failure['name']}: {failure['message']}"
+        line = f"REPRODUCED in {failure['phase']}: {failure['name']}: {first_line(failure['message'])}"
     else:
         outcome, status = "another", 2
-        line = f"ANOTHER FAILURE in {failure['phase']}: {failure['name']}: {failure['message']}"
+        line = f"ANOTHER FAILURE in {failure['phase']}: {failure['name']}: {first_line(failure['message'])}"
         line += f" (the matrix saw {TARGET['phase']}: {TARGET['name']})"
     if args.json:
         with open(args.json, "w") as handle:
