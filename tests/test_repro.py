@@ -284,9 +284,11 @@ def test_a_scripts_failure_message_is_the_one_the_matrix_reads(run_dir, tmp_path
     namespace: dict = {}
     exec(compile(ast.Module(body=wanted, type_ignores=[]), str(script), "exec"), namespace)
     missing = RuntimeError(
-        "Error(s) in loading state_dict for PeftModel:\n\tMissing key(s) in state_dict: \"base.weight\"."
+        'Error(s) in loading state_dict for PeftModel:\n\tMissing key(s) in state_dict: "base.weight".'
     )
-    gathered = RuntimeError("CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n  ...\nValueError: x")
+    gathered = RuntimeError(
+        "CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n  ...\nValueError: no"
+    )
     for exc in (missing, gathered, RuntimeError("one line"), RuntimeError()):
         assert namespace["message_of"](exc) == message_of(exc)
     assert namespace["first_line"](str(missing)) == "Error(s) in loading state_dict for PeftModel:"
