@@ -23,7 +23,9 @@ from matrix.releases.entry_releases import (
     _same_release,
     install_group,
     masking_entries,
+    needs,
     page_markdown,
+    plan,
     releases_named,
     seen_signature,
     verdict_of,
@@ -141,6 +143,25 @@ def test_a_failure_another_entry_explains_on_that_release_names_it():
     curve = "train_steps: matrix.checks.CurveDiverged: the training loss curve leaves the torch engine's at step <n> @ "
     ds = {"deepspeed": "0.19.0", "torch": "2.13.0"}
     assert masking_entries(zero1, "tiny-llama-fp32-train-cpu-deepspeed-zero1", curve, ds, entries) == []
+
+
+def test_a_package_the_cell_needs_and_the_stack_lacks_goes_in_beside():
+    """hf-trainer-zero2's ranks import deepspeed, which the default stack does not carry: the row
+    installs the release the script is written with beside the entry's own (its ranks once died
+    on the import, RankDied, a row that said nothing of the entry)."""
+    from matrix.grid.packages import installed_version
+
+    entry = next(e for e in load().entries if e.id == "trainer-scales-a-loss-that-ignores-num-items")
+    (row,) = [r for r in plan([entry], {"transformers": ["5.24.0"]}) if r["release"] == "5.24.0"]
+    baseline = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
+    reason = needs(entry, row, baseline, {"transformers": ["5.24.0"]})
+    if installed_version("deepspeed") is None:
+        assert reason == "needs deepspeed, which neither the scratch environment nor the script's writer has"
+    else:
+        assert reason is None and row["companions"] == [f"deepspeed=={installed_version('deepspeed')}"]
+    (row,) = [r for r in plan([entry], {"transformers": ["5.24.0"]}) if r["release"] == "5.24.0"]
+    assert needs(entry, row, {**baseline, "deepspeed": "0.19.8"}, {"transformers": ["5.24.0"]}) is None
+    assert row["companions"] == []  # the stack has it
 
 
 def _page_rows(page: Path = PAGE) -> list[dict]:

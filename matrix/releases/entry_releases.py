@@ -47,6 +47,7 @@ from typing import NamedTuple
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from matrix.grid.packages import installed_version
 from matrix.releases.bisection import DEFAULT_TORCH, ROOT, BisectError, ScratchEnvironment, final_releases
 
 PAGE = ROOT / "docs" / "entry-releases.md"
@@ -279,8 +280,33 @@ def needs(entry, row: dict, baseline: dict[str, str], listings: dict[str, list[s
         if not admitted:
             return f"needs {other} {specifier} beside it, which the index does not list"
         companions.append(f"{other}=={admitted[-1]}")
+    # what the cell itself needs (its engine's, kind's and precision's packages) and the stack lacks:
+    # the release the script was written with goes in beside (hf-trainer-zero2's ranks need deepspeed)
+    named = {c.split("==")[0].lower() for c in companions} | {row["package"].lower()}
+    for needed in cell_requirements(cell):
+        if needed.lower() in named or needed.lower() in baseline:
+            continue
+        version = installed_version(needed)
+        if version is None:
+            return f"needs {needed}, which neither the scratch environment nor the script's writer has"
+        companions.append(f"{needed}=={version}")
     row["companions"] = companions
     return None
+
+
+def cell_requirements(cell) -> list[str]:
+    """The packages a cell's engine, model kind and precision require, by name."""
+    from matrix.engines import ENGINES
+    from matrix.models import MODELS
+    from matrix.precisions.policies import PRECISIONS
+
+    found = []
+    for axis_value in (ENGINES.get(cell.engine), MODELS.get(cell.model), PRECISIONS.get(cell.precision)):
+        for requirement in getattr(axis_value, "requires", ()) or ():
+            name = re.split(r"[\s<>=!~\[]", requirement.strip(), maxsplit=1)[0]
+            if name and name not in found:
+                found.append(name)
+    return found
 
 
 # ---------------------------------------------------------------- running
