@@ -265,3 +265,17 @@ def test_the_one_line_names_what_went_wrong():
     usage = subprocess.CompletedProcess([], 4, stdout="", stderr="ERROR: --model: unknown value 'nope'\n")
     assert bench.last_line(usage) == "ERROR: --model: unknown value 'nope'"
     assert bench.last_line(subprocess.CompletedProcess([], 3, stdout="", stderr="")) == "(no output)"
+
+
+def test_a_cell_that_never_reached_its_engine_spent_nothing_of_its_floor():
+    """A precision refused in `configure` never starts the engine: its floor is 0 s, and the row of
+    its engine still has a floor; a run from before floors were recorded has none."""
+    from matrix.results.phase_costs import floor_costs
+
+    def cell(seconds, outcome="passed"):
+        metrics = {} if seconds is None else {"library_seconds": seconds}
+        return {"engine": "torch", "mode": "train", "outcome": outcome, "duration_s": 1.0, "metrics": metrics}
+
+    (floor,) = floor_costs([cell(0.5), cell(0.25), cell(None, "failed"), cell(None, "skipped")])
+    assert (floor.cells, floor.total_s, floor.median_s) == (3, 0.75, 0.25)
+    assert floor_costs([cell(None), cell(None)]) == []

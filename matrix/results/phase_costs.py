@@ -51,13 +51,16 @@ def engine_costs(cells: list[dict]) -> list[Cost]:
 
 def floor_costs(cells: list[dict]) -> list[Cost]:
     """Each engine's floor per mode: the seconds its cells spent inside the engine's library calls
-    (metrics.library_seconds, matrix/harness/library_clock.py), over the cells that ran and
-    recorded it. Cells of runs before it was recorded count in none."""
+    (metrics.library_seconds, matrix/harness/library_clock.py), over the cells that ran. A cell
+    that never reached the engine (a precision refused in `configure`) spent none: 0 s. A run from
+    before the floor was recorded (no cell has it) has no floors."""
+    if not any(isinstance((c.get("metrics") or {}).get("library_seconds"), (int, float)) for c in cells):
+        return []
     found: dict[tuple[str, str], list[float]] = {}
     for cell in ran(cells):
         seconds = (cell.get("metrics") or {}).get("library_seconds")
-        if isinstance(seconds, (int, float)):
-            found.setdefault((cell["engine"], cell["mode"]), []).append(float(seconds))
+        value = float(seconds) if isinstance(seconds, (int, float)) else 0.0
+        found.setdefault((cell["engine"], cell["mode"]), []).append(value)
     return [_cost(engine, mode, seconds) for (engine, mode), seconds in found.items()]
 
 
