@@ -131,8 +131,12 @@ def results(directory: Path) -> dict:
 
 
 def comparable(document: dict) -> dict:
-    """Everything a grid shows; durations differ from run to run, nothing else may."""
+    """Everything a grid shows; durations differ from run to run (a cell's, its phases', the time in its
+    library's calls), nothing else may."""
     cells = [{k: v for k, v in c.items() if k not in ("duration_s", "phase_seconds")} for c in document["cells"]]
+    for cell in cells:
+        if isinstance(cell.get("metrics"), dict):
+            cell["metrics"] = {k: v for k, v in cell["metrics"].items() if k != "library_seconds"}
     return {
         "cells": cells,
         "counts": document["counts"],
@@ -180,8 +184,8 @@ def shard_dirs(root: Path, *ks: int) -> list[str]:
 
 def rendered(document: dict) -> tuple[str, str]:
     """index.html and summary.md with what differs between any two runs of the same cells made
-    equal: the run's id, command, times and shard bookkeeping, each cell's seconds, and the kinds'
-    one-time work (each process does its own: N shards, N of it)."""
+    equal: the run's id, command, times and shard bookkeeping, each cell's seconds (its phases' and
+    its library calls' too), and the kinds' one-time work (each process does its own: N shards, N of it)."""
     document = copy.deepcopy(document)
     run = document["run"]
     run.update(id="run", command="python -m matrix run", started_at="", finished_at="", duration_s=0.0)
@@ -190,6 +194,8 @@ def rendered(document: dict) -> tuple[str, str]:
     for cell in document["cells"]:
         cell["duration_s"] = 0.0
         cell["phase_seconds"] = {phase: 0.0 for phase in cell.get("phase_seconds") or {}}
+        if "library_seconds" in (cell.get("metrics") or {}):
+            cell["metrics"]["library_seconds"] = 0.0
     document["kind_setups"] = []
     return html_report(document), summary_markdown(document)
 
