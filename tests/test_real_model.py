@@ -90,8 +90,11 @@ USERS_GRID_TIMEOUT_S = 1320
 
 @pytest.fixture(scope="module")
 def user_bert_grid(users_grid, tmp_path_factory):
-    """tests/plugins/user_bert.py (only the six methods) through the whole CPU matrix."""
-    return users_grid("user_bert", "user-bert", tmp_path_factory.mktemp("user-bert"))
+    """tests/plugins/user_bert.py (only the six methods) through the whole CPU matrix, on a worker per
+    core: a cell computes on one thread (matrix/plugin/session.py share_the_cores), and a 22M-parameter
+    model's cells take seconds each, so one process would leave the other cores idle (nox -s real runs
+    this module alone, in one process)."""
+    return users_grid("user_bert", "user-bert", tmp_path_factory.mktemp("user-bert"), "-n", "auto")
 
 
 @needs_wheel

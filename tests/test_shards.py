@@ -130,13 +130,24 @@ def results(directory: Path) -> dict:
     return json.loads((directory / "results.json").read_text())
 
 
+def rate_found_anyhow(metrics: dict | None) -> None:
+    """Where a kind's learning rate came from differs by what ran before on the machine: searched
+    in this run, or read from the cache an earlier run of the stack left (`cached`; on a fresh
+    machine the unsharded run searches and the shards after it read). The rate and its falls are the
+    same either way."""
+    if isinstance(metrics, dict) and isinstance(metrics.get("learning_rate"), dict):
+        metrics["learning_rate"] = {**metrics["learning_rate"], "cached": None}
+
+
 def comparable(document: dict) -> dict:
     """Everything a grid shows; durations differ from run to run (a cell's, its phases', the time in its
-    library's calls), nothing else may."""
+    library's calls), and so does where a kind's learning rate came from (rate_found_anyhow); nothing
+    else may."""
     cells = [{k: v for k, v in c.items() if k not in ("duration_s", "phase_seconds")} for c in document["cells"]]
     for cell in cells:
         if isinstance(cell.get("metrics"), dict):
             cell["metrics"] = {k: v for k, v in cell["metrics"].items() if k != "library_seconds"}
+            rate_found_anyhow(cell["metrics"])
     return {
         "cells": cells,
         "counts": document["counts"],
@@ -196,6 +207,7 @@ def rendered(document: dict) -> tuple[str, str]:
         cell["phase_seconds"] = {phase: 0.0 for phase in cell.get("phase_seconds") or {}}
         if "library_seconds" in (cell.get("metrics") or {}):
             cell["metrics"]["library_seconds"] = 0.0
+        rate_found_anyhow(cell.get("metrics"))
     document["kind_setups"] = []
     return html_report(document), summary_markdown(document)
 

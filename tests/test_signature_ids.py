@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from matrix.catalogue import entries as catalogue
 from matrix.checks.assertions import DtypeContractBroken
 from matrix.precisions.policies import PolicyContradiction
 from matrix.results import module_moves
@@ -74,6 +75,14 @@ def run_now(tmp_path_factory):
 @pytest.mark.parametrize("cell", sorted(BEFORE["cells"]))
 def test_the_cells_outcome_and_signature_id_are_as_before_the_move(cell, run_now):
     before, now = BEFORE["cells"][cell], run_now[cell]
+    if now["outcome"] == "inapplicable":
+        # The records were made where a hardware-conditioned entry's failure shows (AVX512-BF16 for
+        # bitsandbytes' 4-bit repacking); here the cell passes and the entry is not applicable. The
+        # verdict holds only if it was that entry's known failure there and its condition is unmet here.
+        entry = catalogue.load().by_id(now["known_failure"]["id"])
+        unmet = [str(r) for r in entry.unmet(catalogue.local_context(), "hardware")]
+        assert before["outcome"] == "known" and unmet and now["signature"] is None, (entry.id, unmet, now)
+        pytest.skip(f"Requires: [{', '.join(unmet)}] (the recorded failure's path is not taken on this machine)")
     signature = now.get("signature") or {}
     assert (now["outcome"], signature.get("id"), signature.get("exception"), signature.get("origin")) == (
         before["outcome"],
