@@ -144,6 +144,25 @@ def test_a_cell_condition_decides_after_the_run_from_the_cells_metrics():
     assert classify("passed", None, [strict], not_stepped) == ("passed", None)
 
 
+def test_rank_means_over_uneven_shares_holds_only_where_each_rank_took_its_own_mean_of_unequal_shares():
+    """rank-means-averaged-over-uneven-shares, as the Trainer engines on DeepSpeed record it
+    (matrix/engines/hf_trainer_deepspeed.py rank_loss_averaging)."""
+    from matrix.engines.hf_trainer_deepspeed import EACH_RANKS_MEAN, ITEMS_ACROSS_RANKS
+
+    entry = entry_when("rank-means-averaged-over-uneven-shares", extra="\nmay_pass = true")
+    failure = "train_steps: RuntimeError: boom"
+
+    def effective(how, shares):
+        return {"engine_effective": {"rank_loss_averaging": how, "loss_items_per_rank": shares}}
+
+    assert Catalogue([entry]).in_force(CELL, INSTALLED, run_context()) == [entry]  # before the run: may claim
+    assert classify("failed", failure, [entry], effective(EACH_RANKS_MEAN, [2, 1])) == ("known", entry)
+    assert classify("failed", failure, [entry], effective(EACH_RANKS_MEAN, [1, 1])) == ("failed", None)  # even shares
+    assert classify("failed", failure, [entry], effective(ITEMS_ACROSS_RANKS, [11, 1])) == ("failed", None)
+    assert classify("failed", failure, [entry], {}) == ("failed", None)  # an engine that records nothing of it
+    assert classify("passed", None, [entry], effective(EACH_RANKS_MEAN, [2, 1])) == ("passed", None)
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [

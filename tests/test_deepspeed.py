@@ -6,6 +6,8 @@ runs this file with deepspeed installed; elsewhere the cell tests skip, naming i
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -345,3 +347,61 @@ def working_in(directory) -> list[int]:
         except OSError:
             continue
     return found
+
+
+@pytest.fixture(scope="module")
+def trainer_shares(matrix_cpu, tmp_path_factory):
+    """The Trainer on ZeRO-2 trains tiny-transformer (3 rows: 2 and 1 over the ranks; a forward that
+    takes labels and no num_items_in_batch) and tiny-llama (whose loss is counted across the ranks)."""
+    selection = ("--model", "tiny-transformer,tiny-llama", "--precision", "fp32", "--mode", "train")
+    return matrix_cpu(tmp_path_factory.mktemp("trainer-shares"), *selection, "--engine", "hf-trainer-zero2")
+
+
+@needs_deepspeed
+def test_the_trainer_on_uneven_shares_trains_on_the_mean_of_its_ranks_means(trainer_shares):
+    """trainer-averages-rank-means-over-uneven-shares: the curve the Trainer trains is the one of the
+    shares' means (taken again below in one process), not the whole batch's,
+    and the AdamW probe read when the Trainer built its engine says it had not stepped."""
+    import torch
+
+    from matrix.engines.hf_trainer_deepspeed import EACH_RANKS_MEAN, ITEMS_ACROSS_RANKS
+    from matrix.models import MODELS
+    from matrix.precisions.policies import PRECISIONS
+
+    _, cells = trainer_shares
+    uneven = cells["tiny-transformer-fp32-train-cpu-hf-trainer-zero2"]
+    counted = cells["tiny-llama-fp32-train-cpu-hf-trainer-zero2"]
+    assert uneven["outcome"] == "known", uneven["signature"]
+    assert uneven["known_failure"]["id"] == "trainer-averages-rank-means-over-uneven-shares"
+    assert uneven["signature"]["exception"] == "matrix.checks.CurveDiverged"
+    assert uneven["metrics"]["engine_effective"]["rank_loss_averaging"] == EACH_RANKS_MEAN
+    assert uneven["metrics"]["engine_effective"]["loss_items_per_rank"] == [2, 1]
+    assert counted["outcome"] == "passed", counted["signature"]
+    assert counted["metrics"]["engine_effective"]["rank_loss_averaging"] == ITEMS_ACROSS_RANKS
+    for cell in (uneven, counted):
+        assert cell["metrics"]["engine_effective"]["optimizer_steps_at_construction"] == 0
+
+    # the same steps in one process, each share's mean loss averaged: the cell's curve
+    kind, device = MODELS["tiny-transformer"], torch.device("cpu")
+    batch = kind.batch(device)
+    split = {key: torch.tensor_split(value, 2) for key, value in batch.items()}  # 2 rows and 1, as the ranks'
+    shares = [{key: parts[rank] for key, parts in split.items()} for rank in range(2)]
+    curve = uneven["metrics"]["curve"]
+    model = kind.build(PRECISIONS["fp32"], device, Path(tempfile.mkdtemp()))
+    model.train()
+    decayed = {n for n, _ in model.named_parameters() if not (n.endswith("bias") or "norm" in n)}
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decayed]},
+        {"params": [p for n, p in model.named_parameters() if n not in decayed], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=uneven["metrics"]["learning_rate"]["value"])
+    losses = []
+    for _ in curve["losses"]:
+        with torch.no_grad():
+            losses.append(kind.loss(model, batch).item())
+        optimizer.zero_grad()
+        (sum(kind.loss(model, share) for share in shares) / len(shares)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    assert losses == pytest.approx(curve["losses"], rel=1e-5)
+    assert curve["torch_engine"]["first_step_outside"] == 2  # the whole batch's mean is the torch engine's

@@ -246,6 +246,28 @@ register(
 )
 
 
+def _rank_means_over_uneven_shares(context: Context) -> bool:
+    if context.metrics is None:
+        return True  # not run yet: the engine records how its ranks combine their losses
+    how = nested(context.metrics, "engine_effective.rank_loss_averaging")
+    shares = nested(context.metrics, "engine_effective.loss_items_per_rank")
+    each_own_mean = isinstance(how, str) and how.startswith("each rank's mean")
+    return each_own_mean and isinstance(shares, list) and len(set(shares)) > 1
+
+
+register(
+    Condition(
+        "rank-means-averaged-over-uneven-shares",
+        "the library's ranks each took the mean loss over their own share of the batch and their gradients were "
+        "averaged equally (engine_effective.rank_loss_averaging), and the shares' loss items differ "
+        "(engine_effective.loss_items_per_rank): the step weighs the smaller share's items more than the whole "
+        "batch's mean does",
+        "cell",
+        _rank_means_over_uneven_shares,
+    )
+)
+
+
 def _autocast_float16_in_forward(context: Context) -> bool:
     if context.metrics is None:
         return True  # not run yet: the cell's first forward decides

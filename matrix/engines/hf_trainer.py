@@ -61,6 +61,7 @@ def _following_class():
             self.engine, self.state, self.run = engine, state, run
 
         def on_train_begin(self, args, trainer_state, control, **kwargs):
+            self.engine.train_began(self.state, self.run)  # the library has prepared the run: no step yet
             progress = self.run.progress
             if progress is not None and progress.resumed:
                 # train() has loaded the checkpoint's weights, optimizer and scaler state
@@ -175,6 +176,9 @@ class HFTrainerEngine(LibraryLoop):
         metrics = self.call(state, run, run.trainer.evaluate)
         state.metrics.trainer_eval_loss = metrics.get("eval_loss")
         return self.library_evaluation(state, run)
+
+    def train_began(self, state, run: TrainerRun) -> None:
+        """train() has prepared the model and optimizer and takes no step yet (on_train_begin)."""
 
     def library_evaluation(self, state, run: TrainerRun):
         """The evaluation through the model as the Trainer holds it (its forward wrapped in the

@@ -119,6 +119,7 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         set_launcher_environment(state, also_restored=("DS_ACCELERATOR", "ACCELERATE_USE_DEEPSPEED"))
         super().make_trainer(state, model, max_steps, output, run)
         state.metrics.engine_effective["config"] = self.config(state)
+        state.metrics.engine_effective.update(rank_loss_averaging(state, run.trainer))
         # While a ZeRO-3 TrainingArguments is alive, transformers builds every model partitioned
         # (deepspeed.zero.Init). The harness's own models (checkpoints read back, references) are
         # built as a user builds them in a new process: the config is in force in the Trainer's calls.
@@ -155,6 +156,11 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
             if in_force:
                 set_hf_deepspeed_config(run.trainer.args.hf_deepspeed_config)
 
+    def train_began(self, state, run: TrainerRun) -> None:
+        # what DeepSpeed made of the config, its optimizer's step count among it, read right after
+        # the Trainer built the engine (the probe of optimizer-stepped-at-construction)
+        self._record_engine(state, run)
+
     def step_ended(self, state, run: TrainerRun, loss: float) -> None:
         super().step_ended(state, run, self.whole_batch_loss(state, run, loss))
 
@@ -164,9 +170,7 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         token sum over the whole batch's count, times the world size; otherwise it is the rank's
         own mean."""
         trainer, group = run.trainer, state.group
-        if trainer.args.average_tokens_across_devices and (
-            trainer.model_accepts_loss_kwargs or trainer.compute_loss_func
-        ):
+        if averages_items_across_ranks(trainer):
             return group.total(value) / group.world_size
         rows = group.rows(state.batch)
         return group.mean(value, state.kind.loss_items(rows))
@@ -248,3 +252,28 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
 
 for _stage in (2, 3):
     register_with_compiled_twin(TrainerOnDeepSpeed(_stage))
+
+
+EACH_RANKS_MEAN = "each rank's mean loss, the ranks' gradients averaged equally"
+ITEMS_ACROSS_RANKS = "the loss items counted across ranks (num_items_in_batch)"
+
+
+def averages_items_across_ranks(trainer) -> bool:
+    """Whether the Trainer divides each rank's loss by the whole batch's item count
+    (average_tokens_across_devices, for a model that takes num_items_in_batch or a compute_loss_func)
+    rather than leaving each rank its own mean."""
+    counts_items = trainer.model_accepts_loss_kwargs or trainer.compute_loss_func
+    return bool(trainer.args.average_tokens_across_devices and counts_items)
+
+
+def rank_loss_averaging(state, trainer) -> dict:
+    """How the Trainer's ranks combine their losses, and each rank's loss items: where each rank
+    takes its own mean and the shares are unequal (rows that do not divide over the ranks), the
+    gradient weighs the smaller share's items more than the whole batch's mean does (the catalogue's
+    condition rank-means-averaged-over-uneven-shares reads these)."""
+    from matrix.harness.group import Group
+
+    world = state.group.world_size
+    shares = [state.kind.loss_items(Group(rank, world).rows(state.batch)) for rank in range(world)]
+    how = ITEMS_ACROSS_RANKS if averages_items_across_ranks(trainer) else EACH_RANKS_MEAN
+    return {"rank_loss_averaging": how, "loss_items_per_rank": shares}

@@ -22,12 +22,18 @@ class EncoderClassifier(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, num_layers={layers})
         self.head = nn.Linear({hidden}, {classes})
 
-    def forward(self, input_ids, padding_mask=None):
+    def forward(self, input_ids, padding_mask=None, labels=None):
+        # with labels, a {{"loss", "logits"}} dict, as the transformers Trainer calls model(**batch)
         hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=padding_mask)
         if padding_mask is None:
-            return self.head(hidden.mean(dim=1))
-        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
-        return self.head((hidden * keep).sum(dim=1) / keep.sum(dim=1))
+            pooled = hidden.mean(dim=1)
+        else:
+            keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1)
+        logits = self.head(pooled)
+        if labels is None:
+            return logits
+        return {{"loss": F.cross_entropy(logits.float(), labels), "logits": logits}}
 
 
 def create():
