@@ -405,3 +405,24 @@ def test_the_trainer_on_uneven_shares_trains_on_the_mean_of_its_ranks_means(trai
         optimizer.step()
     assert losses == pytest.approx(curve["losses"], rel=1e-5)
     assert curve["torch_engine"]["first_step_outside"] == 2  # the whole batch's mean is the torch engine's
+
+
+@pytest.fixture(scope="module")
+def xlm_zero3(matrix_cpu, tmp_path_factory):
+    """hf:xlm trained in fp32 on ZeRO-3: its restored run is a second engine in each rank."""
+    selection = ("--model", "hf:xlm", "--precision", "fp32", "--mode", "train", "--engine", "deepspeed-zero3")
+    return matrix_cpu(tmp_path_factory.mktemp("xlm-zero3"), *selection)
+
+
+@needs_deepspeed
+def test_a_module_shared_by_every_xlm_model_breaks_the_first_engines_trace_once_a_second_is_built(xlm_zero3):
+    """xlm-shared-activation-module-zero3-trace: the uninterrupted run's step k+1, after the restored
+    run's engine was built, raises in ZeRO-3's parameter coordinator; every earlier phase passed, and
+    the observation names the shared module the entry selects by."""
+    _, cells = xlm_zero3
+    cell = cells["hf:xlm-fp32-train-cpu-deepspeed-zero3"]
+    assert cell["outcome"] == "known", cell["signature"]
+    assert cell["known_failure"]["id"] == "xlm-shared-activation-module-zero3-trace"
+    assert cell["signature"]["text"].startswith("resumed_step: IndexError: pop from an empty deque")
+    assert [p for p, outcome in cell["phases"].items() if outcome != "passed"] == ["resumed_step"]
+    assert cell["metrics"]["kind"]["observed"]["shared_across_instances"] == ["transformer.ffns.0.act"]

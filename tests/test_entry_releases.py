@@ -145,6 +145,25 @@ def test_a_failure_another_entry_explains_on_that_release_names_it():
     assert masking_entries(zero1, "tiny-llama-fp32-train-cpu-deepspeed-zero1", curve, ds, entries) == []
 
 
+def test_a_masking_entrys_hardware_condition_is_read_for_the_machine_the_row_ran_on():
+    """bnb-cpu-4bit-save-after-inference-rounds-absmax's script fails first with the nf4 inference bug,
+    which bitsandbytes has only where it detects AVX512-BF16 (bnb-cpu-4bit-inference-needs-whole-blocks):
+    the row run on such a machine names it, whatever machine the page is rewritten on; a machine without
+    it would not."""
+    entries = load().entries
+    entry = next(e for e in entries if e.id == "bnb-cpu-4bit-save-after-inference-rounds-absmax")
+    (row,) = [r for r in _page_rows() if r["entry"] == entry.id and r["release"] == "0.50.2"]
+    assert row["verdict"] == "another bug first" and "AVX512" in row["machine"] and row.get("hardware") is None
+    versions = {"bitsandbytes": "0.50.2", "torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"}
+    seen = row["seen"]
+    assert seen and seen.startswith("mid_training_eval: RuntimeError: shape")
+    facts = {"bitsandbytes_cpu_avx512_bf16": True, "cpu_capability": "AVX512", "cpu_avx512_bf16": True}
+    with_it = masking_entries(entry, row["cell"], seen, versions, entries, facts)
+    assert with_it == ["bnb-cpu-4bit-inference-needs-whole-blocks"]
+    without = {**facts, "bitsandbytes_cpu_avx512_bf16": False}
+    assert masking_entries(entry, row["cell"], seen, versions, entries, without) == []
+
+
 def test_a_package_the_cell_needs_and_the_stack_lacks_goes_in_beside():
     """hf-trainer-zero2's ranks import deepspeed, which the default stack does not carry: the row
     installs the release the script is written with beside the entry's own (its ranks once died

@@ -154,3 +154,19 @@ def test_a_first_observation_asked_for_inside_no_grad_still_observes():
     with torch.no_grad():
         found = observe(kind)
     assert found.error is None and found.loss_items == "next-token labels", found.error
+
+
+def test_a_submodule_every_instance_of_the_kind_shares_is_observed():
+    """XLM's feed-forward layers hold transformers' module-level gelu: two builds of hf:xlm hold the
+    same GELUActivation object (the trait xlm-shared-activation-module-zero3-trace selects by); the
+    built-in kinds build their own modules each time."""
+    from matrix.selection.cells import parse_selection
+
+    parse_selection("model", "hf:xlm")  # made on demand, as --model hf:xlm makes it
+    found = observe(MODELS["hf:xlm"])
+    assert found.error is None, found.error
+    assert found.shared_across_instances == ("transformer.ffns.0.act",)
+    assert "module-shared-across-instances" in found.traits
+    assert found.as_dict()["shared_across_instances"] == ["transformer.ffns.0.act"]
+    for name in ("tiny-llama", "tiny-transformer", "lora"):
+        assert observe(MODELS[name]).shared_across_instances == (), name

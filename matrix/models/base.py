@@ -83,6 +83,11 @@ TRAITS: dict[str, str] = {
         "its transformers forward takes **kwargs, so the Trainer passes num_items_in_batch and scales its "
         "loss by the process count, but its loss ignores it (MBartForCausalLM's own CrossEntropyLoss)"
     ),
+    "module-shared-across-instances": (
+        "some of its submodules are the very objects every other instance of it in the process holds "
+        "(XLM's feed-forward activation is transformers' module-level gelu): a library that registers a model's "
+        "modules (DeepSpeed ZeRO-3) registers them again for a second model"
+    ),
     "tied-output-bias": (
         "its output embeddings' bias is the same parameter as another module's (BERT-style heads: "
         "cls.predictions.decoder.bias is cls.predictions.bias)"

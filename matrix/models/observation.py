@@ -96,6 +96,10 @@ class Observation:
     # CrossEntropyLoss): under data parallelism the Trainer multiplies a mean by the world size
     ignores_num_items: str | None = None
     unmapped_loss_type: str | None = None  # the transformers class whose loss_type is None
+    # submodules that are the very object another instance of the kind holds (XLM's feed-forward
+    # activation: transformers' module-level `gelu`): a library that registers a model's modules
+    # (DeepSpeed ZeRO-3's ds_id and hooks) registers them again for a second model in the process
+    shared_across_instances: tuple[str, ...] = ()
     # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
     # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
     unsaved_float_buffers: tuple[str, ...] = ()
@@ -163,6 +167,8 @@ class Observation:
             found.add("unsaved-float-buffers")
         if self.saved_in_another_layout:
             found.add("saved-in-another-layout")
+        if self.shared_across_instances:
+            found.add("module-shared-across-instances")
         return frozenset(found)
 
     def count(self, batch: dict) -> int:
@@ -191,6 +197,7 @@ class Observation:
             "unmapped_loss_type": self.unmapped_loss_type,
             "unsaved_float_buffers": list(self.unsaved_float_buffers),
             "saved_in_another_layout": list(self.saved_in_another_layout),
+            "shared_across_instances": list(self.shared_across_instances),
             "reloaded_by_library": self.reloaded_by_library,
             "gradless_parameters": list(self.gradless_parameters),
             "unused_parameters": len(self.unused_parameters),
@@ -319,6 +326,13 @@ def _ignores_num_items(model: nn.Module, batch: dict) -> str | None:
     finally:
         model.train(was_training)
     return type(target).__name__ if plain is not None and torch.equal(plain, given) else None
+
+
+def _shared_across_instances(model: nn.Module, other: nn.Module) -> tuple[str, ...]:
+    """The submodules of `model` that are the very objects `other` (another instance of the kind,
+    built in the same process) holds: a module made once at import and assigned to every model."""
+    others = {id(module) for module in other.modules()}
+    return tuple(name for name, module in model.named_modules() if name and id(module) in others)
 
 
 def _unsaved_float_buffers(model: nn.Module) -> tuple[str, ...]:
@@ -510,6 +524,7 @@ def _observe(kind) -> Observation:
                 ignores_num_items=_ignores_num_items(model, batch),
                 unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
                 saved_in_another_layout=_saved_in_another_layout(kind, model, workdir),
+                shared_across_instances=_shared_across_instances(model, loaded),
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
                 unused_parameters=unused,

@@ -94,7 +94,9 @@ def verdict_of(row: dict) -> str:
     return "shows it" if row["exit"] == 1 and row["matches_entry"] else "differs"
 
 
-def masking_entries(entry, cell_id: str, seen: str | None, versions: dict[str, str], entries) -> list[str]:
+def masking_entries(
+    entry, cell_id: str, seen: str | None, versions: dict[str, str], entries, hardware: dict | None = None
+) -> list[str]:
     """The other catalogue entries that explain the script's failure where it is not the entry's own:
     they select the cell, the row's releases meet their versions, their hardware and run conditions
     hold on this machine, and their pattern matches what the script raised. A cell can carry two
@@ -102,14 +104,17 @@ def masking_entries(entry, cell_id: str, seen: str | None, versions: dict[str, s
     int8 training NaN, and the same cell's reload still differs, bnb-int8-saved-base-reloads-wrong).
     An entry with a condition on what the cell measured (deepspeed-zero0-bf16-adamw-stepped-at-construction
     holds where AdamW stepped before the first step) is never one: the script does not report it,
-    so a failure that only such an entry would explain stays "differs"."""
-    from matrix.catalogue.entries import local_context
+    so a failure that only such an entry would explain stays "differs". `hardware`: the facts of the
+    machine the script ran on, where that was another (a kept row's), in place of this one's."""
+    from matrix.catalogue.entries import Context, local_context
     from matrix.selection.cells import cell_from_id
 
     cell = cell_from_id(cell_id)
     if seen is None or cell is None:
         return []
     context = local_context()
+    if hardware is not None:
+        context = Context(hardware=hardware, run=context.run)
     return [
         other.id
         for other in entries
@@ -208,6 +213,7 @@ def _row(entry, package: str, release: str, role: str) -> dict:
         "companions": [],
         "ran_at": None,
         "machine": None,
+        "hardware": None,  # the facts hardware conditions read, of the machine the script ran on
         "seconds": None,
     }
 
@@ -463,7 +469,10 @@ def record(
     masking=lambda seen: [],
 ) -> None:
     """The script's run, into its row. `masking(seen)`: the other entries that explain a failure."""
+    from matrix.catalogue.entries import local_context
+
     row.update(ran=True, exit=status, ran_at=time.strftime("%Y-%m-%d", time.gmtime()), machine=where)
+    row["hardware"] = dict(local_context().hardware)
     row["seconds"] = round(seconds, 1)
     row["phase"] = outcome.get("phase")
     row["failure"] = outcome.get("failure")
@@ -576,14 +585,23 @@ def run(
             signal.signal(signal.SIGTERM, stopped_by)
     merged = merge(entries, rows, previous, {id(r) for r in chosen})
     # the rows kept from earlier runs, judged against the catalogue as it is now (its patterns and
-    # entries may have changed since): what their scripts did stays as recorded
-    by_id, fresh = {e.id: e for e in entries}, {id(r) for r in rows}
+    # entries may have changed since) and the hardware they ran on: what their scripts did stays as
+    # recorded. A row run on another machine that holds no hardware facts keeps its verdict: an
+    # entry's hardware condition cannot be read for a machine the row does not describe.
+    by_id, fresh, here = {e.id: e for e in entries}, {id(r) for r in rows}, machine()
     for row in merged:
         if id(row) not in fresh and row["entry"] in by_id:
+            hardware = row.get("hardware")
+            if row["ran"] and hardware is None and row.get("machine") != here:
+                continue
             versions = row_versions(row, baseline)
             entry = by_id[row["entry"]]
             row.setdefault("masked_by", [])
-            judge(row, entry, lambda seen, e=entry, r=row, v=versions: masking_entries(e, r["cell"], seen, v, entries))
+            judge(
+                row,
+                entry,
+                lambda seen, e=entry, r=row, v=versions, h=hardware: masking_entries(e, r["cell"], seen, v, entries, h),
+            )
     write(merged, page)
     log(f"written: {page}, {page.with_suffix('.json')}")
     return merged
