@@ -251,8 +251,8 @@ def _rank_means_over_uneven_shares(context: Context) -> bool:
         return True  # not run yet: the engine records how its ranks combine their losses
     how = nested(context.metrics, "engine_effective.rank_loss_averaging")
     shares = nested(context.metrics, "engine_effective.loss_items_per_rank")
-    each_own_mean = isinstance(how, str) and how.startswith("each rank's mean")
-    return each_own_mean and isinstance(shares, list) and len(set(shares)) > 1
+    # "each-rank-mean": matrix/engines/hf_trainer_deepspeed.py EACH_RANKS_MEAN (this layer reads records, no engine)
+    return how == "each-rank-mean" and isinstance(shares, list) and len(set(shares)) > 1
 
 
 register(

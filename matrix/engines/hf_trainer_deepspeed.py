@@ -254,8 +254,10 @@ for _stage in (2, 3):
     register_with_compiled_twin(TrainerOnDeepSpeed(_stage))
 
 
-EACH_RANKS_MEAN = "each rank's mean loss, the ranks' gradients averaged equally"
-ITEMS_ACROSS_RANKS = "the loss items counted across ranks (num_items_in_batch)"
+# engine_effective.rank_loss_averaging: each rank's mean loss, the ranks' gradients averaged equally;
+# or each rank's loss over the whole batch's item count (num_items_in_batch, counted across ranks)
+EACH_RANKS_MEAN = "each-rank-mean"  # the value catalogue condition rank-means-averaged-over-uneven-shares reads
+ITEMS_ACROSS_RANKS = "items-across-ranks"
 
 
 def averages_items_across_ranks(trainer) -> bool:
