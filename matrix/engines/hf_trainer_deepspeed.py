@@ -32,7 +32,7 @@ from matrix.engines.distributed import DistributedEngine, set_launcher_environme
 from matrix.engines.hf_trainer import HFTrainerEngine, TrainerRun
 from matrix.engines.libraries import deepspeed as ds
 from matrix.engines.libraries.trainer import training_arguments
-from matrix.harness.measurements import dropout_off_rows_loss, evaluate_rows, generators_kept
+from matrix.harness.measurements import dropout_off_loss, evaluate_rows, generators_kept
 from matrix.precisions.policies import Precision
 
 
@@ -199,8 +199,24 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
             ds.record_effective(state, self.engine(run))
 
     def dropout_off_loss(self, state, run: TrainerRun) -> float:
-        # before train(): the model as built, under the precision's autocast
-        return dropout_off_rows_loss(state, run.trainer.model, autocast=True)
+        """The Trainer's first loss with dropout off, through its own arithmetic: each rank's
+        compute_loss on its rows with the item count the Trainer passes (its
+        _get_num_items_in_batch, gathered over the ranks), made the whole batch's as a step's
+        loss is (whole_batch_loss). The kind's own loss would leave out what the Trainer does to
+        it: a model that ignores num_items_in_batch, or is handed a count it does not divide by
+        (trainer-num-items-overcounts-unmapped-causal-lm), would pass. Before train(): the model
+        as built, under the precision's autocast."""
+        trainer = run.trainer
+        count = getattr(trainer, "_get_num_items_in_batch", None)  # transformers >= 4.46; before: none passed
+
+        def trainers_loss(model, rows):
+            items = count([rows], trainer.args.device) if count is not None else None
+            loss = trainer.compute_loss(model, dict(rows), num_items_in_batch=items)
+            return loss[0] if isinstance(loss, tuple) else loss
+
+        rows = state.group.rows(state.batch)
+        value = dropout_off_loss(state, trainer.model, rows, autocast=True, loss=trainers_loss)
+        return self.whole_batch_loss(state, run, value)
 
     def library_evaluation(self, state, run: TrainerRun):
         with generators_kept(state):

@@ -387,17 +387,18 @@ def _once(state: CellState, what: str, measure) -> float:
     return _FRESH_MEASUREMENTS[key]
 
 
-def dropout_off_loss(state: CellState, model, batch, autocast: bool = True) -> float:
+def dropout_off_loss(state: CellState, model, batch, autocast: bool = True, loss=None) -> float:
     """The training loss of `model` on `batch` with dropout off: eval mode, which is how every
     library's dropout is switched off (module and functional alike), under the precision's
     autocast (`autocast=False`: the model's forward brings its own), no gradients. The model is
-    left in the mode it was in."""
+    left in the mode it was in. `loss(model, batch)`: the loss as the engine's library computes
+    it (the Trainer's compute_loss); None: the kind's, as the harness's own loops compute it."""
     was_training = model.training
     model.eval()
     around = state.autocast() if autocast else contextlib.nullcontext()
     try:
         with torch.no_grad(), around, harness_forward(state):
-            return state.kind.loss(model, batch).float().item()
+            return (loss or state.kind.loss)(model, batch).float().item()
     finally:
         model.train(was_training)
 

@@ -398,8 +398,24 @@ class TrainerOnDeepSpeed(RankEngine):
         return [(loss, counts[i + 1] != counts[i]) for i, loss in enumerate(progress["losses"][start:end])]
 
     def dropout_off_loss(self, run):
-        # before train(): the model as built, under the precision's autocast
-        return dropout_off_rows_loss(run["trainer"].model, with_autocast=True)
+        """The Trainer's first loss with dropout off (eval mode), through its own arithmetic: each
+        rank's compute_loss on its rows with the item count the Trainer passes (gathered over the
+        ranks), made the whole batch's as a step's loss is. Before train(): the model as built,
+        under the precision's autocast."""
+        trainer = run["trainer"]
+        model = trainer.model
+        rows = rank_rows(BATCH)
+        count = getattr(trainer, "_get_num_items_in_batch", None)  # transformers >= 4.46
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), autocast(CELL):
+                items = count([rows], trainer.args.device) if count is not None else None
+                loss = trainer.compute_loss(model, dict(rows), num_items_in_batch=items)
+                value = float((loss[0] if isinstance(loss, tuple) else loss).float().item())
+        finally:
+            model.train(was)
+        return self.whole_batch_loss(run, value)
 
     def evaluate(self, run):
         progress = run["progress"]
