@@ -94,6 +94,10 @@ def matrix_cpu():
     return run
 
 
+# the engines where the Trainer counts a GPT-2's labels (trainer-num-items-overcounts-unmapped-causal-lm)
+GPT2_LABEL_COUNTING_TRAINERS = ("hf-trainer", "hf-trainer-zero2", "hf-trainer-zero3")
+
+
 @pytest.fixture
 def forgetful_training(matrix_cpu, tmp_path):
     """forgetful_training(engines): the training cells of tests/plugins/forgetful_optimizer.py (a
@@ -108,9 +112,11 @@ def forgetful_training(matrix_cpu, tmp_path):
         assert len(cells) == 2 * len(engines), done.stdout[-2000:]
         for cell_id, cell in cells.items():
             text = cell["signature"]["text"] if isinstance(cell["signature"], dict) else cell["signature"]
-            if cell["model"] == "forgetful-gpt2" and cell["engine"] == "hf-trainer":
-                # the Trainer's loss count on a GPT-2 fails its first step first (a known entry)
+            if cell["model"] == "forgetful-gpt2" and cell["engine"] in GPT2_LABEL_COUNTING_TRAINERS:
+                # the Trainer's loss count on a GPT-2 fails its first step first (a known entry); on
+                # DeepSpeed too, where its dropout is compared off through the Trainer's compute_loss
                 assert cell["outcome"] == "known" and cell["phase"] == "train_steps", text
+                assert cell["known_failure"]["id"] == "trainer-num-items-overcounts-unmapped-causal-lm", text
                 continue
             assert cell["outcome"] == "failed", (cell_id, cell["outcome"], text)
             assert cell["phase"] == "resumed_step", (cell_id, text)

@@ -69,6 +69,30 @@ def test_unchanged_parameters_are_caught():
     checks.check_parameters_changed(before, model)
 
 
+def test_a_half_copy_whose_master_moved_changed_and_one_whose_master_stayed_did_not():
+    """Where the optimizer steps fp32 master weights (DeepSpeed's bf16), a step below half a bf16 ulp
+    leaves the bf16 parameter bit-identical while its master moves: the master is what changed."""
+    master = {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.copy_(master["weight"])
+        model.bias.copy_(master["bias"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stepped = {"weight": master["weight"] - 1e-4, "bias": master["bias"] - 1e-4}
+    with torch.no_grad():  # the bf16 copy, cast from the stepped master: 1 - 1e-4 rounds back to 1.0
+        model.weight.copy_(stepped["weight"])
+        model.bias.copy_(stepped["bias"])
+    assert torch.equal(model.weight, before["weight"]) and not torch.equal(model.bias, before["bias"])
+    with pytest.raises(checks.ParametersUnchanged, match="trainable tensors did not change"):
+        checks.check_parameters_changed(before, model)  # the copy alone: the weight looks frozen
+    checks.check_parameters_changed(before, model, master, stepped)
+    with pytest.raises(checks.ParametersUnchanged) as info:  # a master that did not move: still caught
+        checks.check_parameters_changed(before, model, master, {**stepped, "weight": master["weight"].clone()})
+    assert info.value.details == "1 of 2, first weight"
+    with pytest.raises(checks.ParametersUnchanged):  # no master read before: the parameters compared
+        checks.check_parameters_changed(before, model, None, stepped)
+
+
 def test_a_buffer_changing_dtype_is_a_broken_contract():
     model = torch.nn.BatchNorm1d(2)
     before = checks.tensor_dtypes(model)

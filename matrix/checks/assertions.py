@@ -135,9 +135,24 @@ def check_fp32_learns(before: float, after: float, bound: LossDecrease, learning
     return fallen
 
 
-def check_parameters_changed(before: dict[str, torch.Tensor], model) -> None:
+def check_parameters_changed(before: dict[str, torch.Tensor], model, masters_before=None, masters_after=None) -> None:
+    """Every tensor of `before` changed in `model`. Where the optimizer steps a master copy the
+    parameters are cast from (`masters_after`, by name: DeepSpeed's fp32 weights under its bf16 and
+    fp16 modes), a parameter changed if its master did: a half-precision copy rounds a step below
+    half its ulp back while the master holds it. Where no master was read before (`masters_before`),
+    the parameters are compared: the master is not the parameter as built where the library rounds
+    that to its half dtype before copying it up (DeepSpeed's bf16)."""
     after = dict(model.named_parameters())
-    unchanged = sorted(name for name, old in before.items() if torch.equal(old, after[name].detach()))
+    masters_before, masters_after = masters_before or {}, masters_after or {}
+
+    def unchanged(name: str, old: torch.Tensor) -> bool:
+        master = masters_after.get(name)
+        earlier = masters_before.get(name)
+        if master is not None and earlier is not None:
+            return torch.equal(earlier, master)
+        return torch.equal(old, after[name].detach())
+
+    unchanged = sorted(name for name, old in before.items() if unchanged(name, old))
     if unchanged:
         raise ParametersUnchanged(
             "trainable tensors did not change in training",

@@ -378,6 +378,18 @@ class Engine(abc.ABC):
         name; none by default."""
         return {}
 
+    def named_master_weights(self, state, run) -> dict[str, torch.Tensor]:
+        """Each trainable parameter's master weight, whole, by its name, where the optimizer steps
+        a master copy the parameters are cast from (what ParametersUnchanged reads there); none
+        by default: the optimizer steps the parameters themselves."""
+        return {}
+
+    def named_master_weights_at_start(self, state, run) -> dict[str, torch.Tensor]:
+        """named_master_weights as the run's first step began, for a library that makes its master
+        copy inside its own loop (the Trainer's DeepSpeed engine), where the harness could not read
+        them before training; none by default."""
+        return {}
+
     @reads("optimizer")
     def optimizer_state(self, state, run) -> dict[str, torch.Tensor]:
         """The optimizer's state tensors, named (this process's own shards)."""

@@ -191,6 +191,9 @@ class ZeroEngine(DistributedEngine, Loop):
     def master_weights(self, state, run: DeepSpeedRun) -> dict:
         return ds.master_weights(run.engine)
 
+    def named_master_weights(self, state, run: DeepSpeedRun) -> dict:
+        return ds.full_master_weights(run.engine)
+
     def optimizer_state(self, state, run: DeepSpeedRun) -> dict:
         return ds.optimizer_state(run.engine)
 

@@ -160,6 +160,8 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
         # what DeepSpeed made of the config, its optimizer's step count among it, read right after
         # the Trainer built the engine (the probe of optimizer-stepped-at-construction)
         self._record_engine(state, run)
+        if run.progress is not None and not run.progress.resumed:  # the master weights before step 1
+            run.progress.masters_at_start = self.live_named_master_weights(state, run)
 
     def step_ended(self, state, run: TrainerRun, loss: float) -> None:
         super().step_ended(state, run, self.whole_batch_loss(state, run, loss))
@@ -235,6 +237,11 @@ class TrainerOnDeepSpeed(DistributedEngine, HFTrainerEngine):
 
     def live_master_weights(self, state, run: TrainerRun) -> dict:
         return ds.master_weights(self.engine(run))
+
+    def live_named_master_weights(self, state, run: TrainerRun) -> dict:
+        if not hasattr(run.trainer.model_wrapped, "zero_optimization_stage"):
+            return {}  # before train(): the model as built, whose parameters are the weights
+        return ds.full_master_weights(self.engine(run))
 
     def live_applied(self, state, run: TrainerRun) -> int:
         wrapped = run.trainer.model_wrapped

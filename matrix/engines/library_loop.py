@@ -35,6 +35,7 @@ class Held:
     scaler_state: dict | None
     master_weights: dict[str, torch.Tensor]
     evaluation: EvalOutput | None = None
+    named_master_weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +57,8 @@ class LoopProgress:
     ran: bool = False
     handed: int = 0  # steps handed to the harness so far
     weights_model: torch.nn.Module | None = None  # held.weights as a module, made once
+    # the master weights by name as the loop began (a library that makes them inside its loop)
+    masters_at_start: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def paused(self) -> bool:
@@ -95,6 +98,9 @@ class LibraryLoop(Engine):
     def live_master_weights(self, state, run) -> dict[str, torch.Tensor]:
         return {}
 
+    def live_named_master_weights(self, state, run) -> dict[str, torch.Tensor]:
+        return {}
+
     def live_evaluation(self, state, run) -> EvalOutput | None:
         """The evaluation a resumed run holds as it begins, through the library's model."""
         return None
@@ -120,6 +126,7 @@ class LibraryLoop(Engine):
             scaler_state=self.live_scaler_state(state, run),
             master_weights=self.live_master_weights(state, run),
             evaluation=self.live_evaluation(state, run) if run.progress.resumed else None,
+            named_master_weights=self.live_named_master_weights(state, run),
         )
 
     def step_ended(self, state, run, loss: float) -> None:
@@ -209,6 +216,15 @@ class LibraryLoop(Engine):
     def master_weights(self, state, run) -> dict[str, torch.Tensor]:
         held = self._held(run)
         return self.live_master_weights(state, run) if held is None else held.master_weights
+
+    @reads("progress")
+    def named_master_weights(self, state, run) -> dict[str, torch.Tensor]:
+        held = self._held(run)
+        return self.live_named_master_weights(state, run) if held is None else held.named_master_weights
+
+    @reads("progress")
+    def named_master_weights_at_start(self, state, run) -> dict[str, torch.Tensor]:
+        return {} if run.progress is None else run.progress.masters_at_start
 
     def exported(self, state, run) -> torch.nn.Module:
         return same_weights_copy(state, self.weights(state, run))

@@ -130,6 +130,7 @@ def train_steps(state: CellState) -> None:
     engine.check_declared(state, run, "after prepare")
     weights = engine.weights(state, run)
     trainable_before = snapshot_trainable(weights, state.kind)
+    masters_before = engine.named_master_weights(state, run)
     dtypes_before = {**checks.tensor_dtypes(weights), **engine.dtype_changes(state, run)}
     dropout_off = None
     if engine.distributed and stochastic_training_forward(state):
@@ -150,7 +151,8 @@ def train_steps(state: CellState) -> None:
     if engine.owns_loop:
         state.metrics.optimizer_steps_applied = steps.applied
     diverged = record_curve(state, steps.applied_losses)  # measured before any check raises: the record holds it
-    check_training_contract(state, trainable_before, dtypes_before)
+    masters_before = masters_before or engine.named_master_weights_at_start(state, run)
+    check_training_contract(state, trainable_before, dtypes_before, masters_before)
     if dropout_off is None:
         check_agrees_with_torch_engine(state, steps.losses[0], "train")
     else:
@@ -225,6 +227,7 @@ def resumed_step(state: CellState) -> None:
     except checks.CheckpointMismatch as mismatch:  # the step comparison below is recorded too
         failure = mismatch
     before = snapshot_trainable(engine.weights(state, restored), state.kind)
+    masters_before = engine.named_master_weights(state, restored)
     record = resume.resume_record(state)
     record.random_numbers = engine.resume_random_numbers or f"seeded with {RESUME_SEED} before step k+1, on both sides"
     uninterrupted_losses, after_uninterrupted = _step_on(state, state.run)
@@ -236,7 +239,8 @@ def resumed_step(state: CellState) -> None:
         failure = failure or diverged
     if failure is not None:
         raise failure
-    checks.check_parameters_changed(before, engine.weights(state, restored))
+    masters_after = engine.named_master_weights(state, restored)
+    checks.check_parameters_changed(before, engine.weights(state, restored), masters_before, masters_after)
 
 
 # each mode's phases, in the order a cell runs them: the one place the order is written (the repro
@@ -305,16 +309,17 @@ def step_tensors(state: CellState, run) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- the training contract
 
 
-def check_training_contract(state: CellState, trainable_before, dtypes_before) -> None:
-    """After training: still on the cell's device; parameters changed, stayed finite, kept
-    their dtypes and those the library declares; the loss fell (matrix/checks/tolerances.py
-    TRAINING_LOSS_DECREASE) between the same seeded measurement before and after training."""
+def check_training_contract(state: CellState, trainable_before, dtypes_before, masters_before=None) -> None:
+    """After training: still on the cell's device; parameters changed (their master weights,
+    where the optimizer steps such a copy), stayed finite, kept their dtypes and those the library
+    declares; the loss fell (matrix/checks/tolerances.py TRAINING_LOSS_DECREASE) between the same
+    seeded measurement before and after training."""
     engine, run = state.engine, state.run
     model = engine.weights(state, run)
     checks.check_placement(model, state.device, "after training")
     checks.check_trained_in_train_mode(given(state.metrics.effective.model_training_in_first_forward))
     checks.check_finite_parameters(list(model.named_parameters()), "after training")
-    checks.check_parameters_changed(trainable_before, model)
+    checks.check_parameters_changed(trainable_before, model, masters_before, engine.named_master_weights(state, run))
     checks.check_same_dtypes(dtypes_before, model, "after training")
     engine.check_declared(state, run, "after training")
     # the fall is measured by the harness, the same way before and after training: a library's

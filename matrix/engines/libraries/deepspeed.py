@@ -184,14 +184,35 @@ def optimizer_state(engine) -> dict:
 
 def full_master_weights(engine) -> dict:
     """Every trainable parameter's fp32 master weight, whole (DeepSpeed's safe_get_full_fp32_param,
-    a collective), by name; the parameter itself where DeepSpeed keeps no other (no mixed precision)."""
+    a collective; at ZeRO stage 0 its FP16_Optimizer's fp32 groups), by name; the parameter itself
+    where DeepSpeed keeps no other (no mixed precision)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
+    grouped = grouped_master_weights(engine)
     found = {}
     for name, parameter in engine.module.named_parameters():
         if parameter.requires_grad:
             full = safe_get_full_fp32_param(parameter)
-            found[name] = (parameter if full is None else full).detach().clone()
+            full = grouped.get(id(parameter), parameter) if full is None else full
+            found[name] = full.detach().clone()
+    return found
+
+
+def grouped_master_weights(engine) -> dict:
+    """The fp32 master of each parameter DeepSpeed's FP16_Optimizer keeps (fp16, and bf16 at ZeRO stage
+    0): cut from its group's flat fp32 copy (fused) or its own (unfused), by the parameter's id.
+    safe_get_full_fp32_param knows only ZeRO's and the BF16 optimizer's mappings."""
+    import torch._utils
+
+    optimizer = engine.optimizer
+    groups = getattr(optimizer, "fp16_groups", None) or []
+    found = {}
+    if getattr(optimizer, "fp32_groups_flat", None):
+        for params, flat in zip(groups, optimizer.fp32_groups_flat, strict=True):
+            found.update(zip(map(id, params), torch._utils._unflatten_dense_tensors(flat, params), strict=True))
+    elif getattr(optimizer, "fp32_groups", None):
+        for params, masters in zip(groups, optimizer.fp32_groups, strict=True):
+            found.update(zip(map(id, params), masters, strict=True))
     return found
 
 

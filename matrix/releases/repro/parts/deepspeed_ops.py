@@ -1,5 +1,6 @@
-"""Where a DeepSpeed engine's script has DeepSpeed build its CPU ops, written out before the engine's
-part (engine_deepspeed_zero.py, engine_hf_trainer_deepspeed.py). Not imported: text of the script."""
+"""Where a DeepSpeed engine's script has DeepSpeed build its CPU ops, and the master weights it reads,
+written out before the engine's part (engine_deepspeed_zero.py, engine_hf_trainer_deepspeed.py). Not
+imported: text of the script."""
 
 import importlib.metadata
 
@@ -15,3 +16,26 @@ os.environ.setdefault(
         f"torch-{torch.__version__}-deepspeed-{importlib.metadata.version('deepspeed')}",
     ),
 )
+
+
+def full_master_weights(engine):
+    """Each trainable parameter's fp32 master weight, whole, by name (at ZeRO stage 0 its FP16_Optimizer's
+    fp32 groups; the parameter itself where DeepSpeed keeps none): a parameter changed in training if
+    its master did."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    optimizer, grouped = engine.optimizer, {}
+    groups = getattr(optimizer, "fp16_groups", None) or []
+    if getattr(optimizer, "fp32_groups_flat", None):  # fused: one flat fp32 copy per group
+        for params, flat in zip(groups, optimizer.fp32_groups_flat, strict=True):
+            grouped.update(zip(map(id, params), torch._utils._unflatten_dense_tensors(flat, params), strict=True))
+    elif getattr(optimizer, "fp32_groups", None):  # unfused: one fp32 copy per parameter
+        for params, masters in zip(groups, optimizer.fp32_groups, strict=True):
+            grouped.update(zip(map(id, params), masters, strict=True))
+    found = {}
+    for name, parameter in engine.module.named_parameters():
+        if parameter.requires_grad:
+            full = safe_get_full_fp32_param(parameter)
+            full = grouped.get(id(parameter), parameter) if full is None else full
+            found[name] = full.detach().clone()
+    return found

@@ -100,6 +100,9 @@ class DeepSpeedZero(RankEngine):
     def master_weights(self, run):
         return {f"master tensor {i}": p.detach().clone() for i, p in enumerate(self.partitions(run["engine"]))}
 
+    def named_master_weights(self, run):
+        return full_master_weights(run["engine"])
+
     def gathered(self, engine):
         if engine.zero_optimization_stage() == 3:
             import deepspeed

@@ -61,6 +61,8 @@ def following(engine, run):
     class Following(TrainerCallback):
         def on_train_begin(self, args, trainer_state, control, **kwargs):
             progress = run["progress"]
+            if progress is not None and not progress["resumed"]:
+                progress["masters_at_start"] = engine.live_named_master_weights(run)
             if progress is not None and progress["resumed"]:
                 engine.hold(run)  # train() has loaded the checkpoint's weights, optimizer and scaler state
                 progress["phase"] = "resumed_step"
@@ -104,6 +106,7 @@ def new_progress(phase, resumed=False):
         "ran": False,
         "handed": 0,
         "weights_model": None,
+        "masters_at_start": {},  # the master weights by name as train() began, before step 1
     }
 
 
@@ -280,6 +283,7 @@ class TrainerOnDeepSpeed(RankEngine):
                 "optimizer_state": self.live_optimizer_state(run),
                 "scaler_state": self.live_scaler_state(run),
                 "evaluation": self.library_evaluation(run) if progress["resumed"] else None,
+                "named_master_weights": self.live_named_master_weights(run),
             }
         finally:
             if in_force:
@@ -463,6 +467,16 @@ class TrainerOnDeepSpeed(RankEngine):
     def scaler_state(self, run):
         held = self.held(run)
         return self.live_scaler_state(run) if held is None else held["scaler_state"]
+
+    def live_named_master_weights(self, run):
+        return full_master_weights(self.engine(run)) if self.prepared(run) else {}  # before train(): none
+
+    def named_master_weights(self, run):
+        held = self.held(run)
+        return self.live_named_master_weights(run) if held is None else held["named_master_weights"]
+
+    def named_master_weights_at_start(self, run):
+        return {} if run["progress"] is None else run["progress"]["masters_at_start"]
 
     def exported(self, run):
         """The Trainer saves the module's 16-bit weights: a fresh model of the kind in the precision

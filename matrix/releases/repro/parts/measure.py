@@ -132,9 +132,21 @@ def declared_fp32(model):
     return found
 
 
-def parameters_changed(before, model):
+def parameters_changed(before, model, masters_before=None, masters_after=None):
+    """Every tensor of `before` changed in `model`; where the optimizer steps a master copy the
+    parameters are cast from (`masters_after`, by name), a parameter changed if its master did, where
+    its master before (`masters_before`) was read; otherwise the parameters are compared."""
     after = dict(model.named_parameters())
-    unchanged = sorted(n for n, old in before.items() if torch.equal(old, after[n].detach().to(old.device)))
+    masters_before, masters_after = masters_before or {}, masters_after or {}
+
+    def unchanged(name, old):
+        master = masters_after.get(name)
+        earlier = masters_before.get(name)
+        if master is not None and earlier is not None:
+            return torch.equal(earlier.to(master.device), master)
+        return torch.equal(old, after[name].detach().to(old.device))
+
+    unchanged = sorted(n for n, old in before.items() if unchanged(n, old))
     compared("ParametersUnchanged", "trainable tensors unchanged", len(unchanged), 0, "0", not unchanged)
     if unchanged:
         raise CheckFailed(

@@ -121,12 +121,19 @@ def frozen_kept(model, when):
         )
 
 
+def named_master_weights(run):
+    """The master weights the engine's optimizer steps, by parameter name, where it keeps a copy the
+    parameters are cast from (DeepSpeed's); none where it steps the parameters themselves."""
+    return getattr(ENGINE, "named_master_weights", lambda run: {})(run)
+
+
 def train_steps(cell):
     model = build(CELL)
     frozen_kept(model, "after build")
     cell.run = run = ENGINE.start(model, True)
     weights = ENGINE.weights(run)
     before, dtypes = trainable_snapshot(weights), tensor_dtypes(weights)
+    masters_before = named_master_weights(run)
     dtypes.update(getattr(ENGINE, "dtype_changes", lambda run: {})(run))  # casts a library declares it makes later
     # a distributed engine whose kind draws dropout: each rank draws its rows' masks, so its first
     # step is compared with dropout off (eval mode), through the run's model before any step
@@ -160,7 +167,8 @@ def train_steps(cell):
     if first is False:
         raise CheckFailed("TrainedInEvalMode", "the model was in eval mode in its first training forward (dropout off)")
     finite_parameters(weights, "after training")
-    parameters_changed(before, weights)
+    masters_before = masters_before or getattr(ENGINE, "named_master_weights_at_start", lambda run: {})(run)
+    parameters_changed(before, weights, masters_before, named_master_weights(run))
     same_dtypes(dtypes, weights, "after training")
     fresh = seeded_training_loss(CELL, build(CELL))
     if LOSS_FALL is not None:
@@ -319,6 +327,7 @@ def resumed_step(cell):
                 f"{saved_scaler} before, {restored_scaler} after",
             )
     before = trainable_snapshot(ENGINE.weights(cell.restored))
+    masters_before = named_master_weights(cell.restored)
     uninterrupted, after_uninterrupted = step_on(cell.run)
     resumed, after_resume = step_on(cell.restored)
     if mismatch is not None:
@@ -367,7 +376,7 @@ def resumed_step(cell):
             f"{len(differing)} of {len(after_uninterrupted)} tensors, first {differing[0]}, "
             f"max abs difference {worst:.3g}",
         )
-    parameters_changed(before, ENGINE.weights(cell.restored))
+    parameters_changed(before, ENGINE.weights(cell.restored), masters_before, named_master_weights(cell.restored))
 
 
 PHASES = [globals()[name] for name in PHASE_ORDER]  # the cell's phases, in the matrix's order
