@@ -6,6 +6,10 @@ runs this file with deepspeed installed; elsewhere the cell tests skip, naming i
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -453,3 +457,39 @@ def test_the_dropout_off_comparison_goes_through_the_trainers_own_loss(user_gpt2
     assert targets == 34
     ratio = compared["first_step_loss_dropout_off"] / compared["torch_engine_first_step_loss_dropout_off"]
     assert ratio == pytest.approx(targets / 38, rel=1e-5)  # 38: every label, position 0 of each row counted
+
+
+CLIPPING_OF_A_SCRIPT = """
+import json, runpy, sys
+import deepspeed.runtime.constants as constants
+constants.GRADIENT_CLIPPING_DEFAULT = float(sys.argv[2])  # as an older release's constants.py says
+script = runpy.run_path(sys.argv[1], run_name="read-not-run")  # its settings and parts; main not run
+print(json.dumps(script["MAX_GRAD_NORM"]))
+"""
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "cell", ["tiny-llama-fp32-train-cpu-deepspeed-zero1", "tiny-llama-fp32-train-cpu-hf-trainer-zero2"]
+)
+def test_a_scripts_torch_loop_clips_as_the_deepspeed_that_runs_it(cell, tmp_path):
+    """DeepSpeed clips to its own default where the config names no gradient_clipping: none up to
+    0.19.2, 1.0 from 0.19.3. A script written on one release and run on another held DeepSpeed's
+    curve to a torch loop clipped as the writer's release clips: fp32 ZeRO-1 on 0.15.4-0.19.0
+    read 'CurveDiverged at step 2' where the harness passes. The harness reads the default where
+    the cell runs (ds.default_gradient_clipping); the script must too."""
+    from matrix.releases.repro.generate import generate
+
+    script = tmp_path / f"{cell}.py"
+    script.write_text(generate(cell))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this project importable
+    clipped = {}
+    for default in ("0.0", "1.0"):
+        done = subprocess.run(
+            [sys.executable, "-c", CLIPPING_OF_A_SCRIPT, str(script), default],
+            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        clipped[default] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert clipped == {"0.0": None, "1.0": 1.0}
+    assert ds.default_gradient_clipping() == ENGINES[cell.rsplit("-cpu-", 1)[1]].max_grad_norm

@@ -27,8 +27,8 @@ def installed_version() -> str | None:
 
 def default_gradient_clipping() -> float | None:
     """The gradient norm DeepSpeed clips to when its config sets no `gradient_clipping` (the
-    matrix's configs set none, as its own examples do): 0, none, up to 0.18.x; 1.0 in later
-    releases (measured: 0.19.8). None where it does not clip."""
+    matrix's configs set none, as its own examples do): 0, none, up to 0.19.2; 1.0 from
+    0.19.3 (read in the releases' deepspeed/runtime/constants.py). None where it does not clip."""
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
     return float(GRADIENT_CLIPPING_DEFAULT) or None

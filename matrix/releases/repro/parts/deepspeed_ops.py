@@ -18,6 +18,20 @@ os.environ.setdefault(
 )
 
 
+def deepspeed_default_clipping():
+    """The gradient norm DeepSpeed clips to when its config sets no `gradient_clipping` (this script's
+    sets none): 0, none, up to 0.19.2; 1.0 from 0.19.3. Read from the DeepSpeed that runs the
+    script, not the one it was written on."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(GRADIENT_CLIPPING_DEFAULT) or None
+
+
+# the torch loop whose curve DeepSpeed's is held to clips as DeepSpeed does, on whichever release runs
+# the script (the header's MAX_GRAD_NORM is what the release it was written on clips to)
+MAX_GRAD_NORM = deepspeed_default_clipping()
+
+
 def full_master_weights(engine):
     """Each trainable parameter's fp32 master weight, whole, by name (at ZeRO stage 0 its FP16_Optimizer's
     fp32 groups; the parameter itself where DeepSpeed keeps none): a parameter changed in training if
