@@ -196,7 +196,11 @@ def deepspeed(session: nox.Session) -> None:
         f"{repro}reproduces_the_catalogued_failure",
         f"{repro}of_a_passing_cell_holds_with_the_records_numbers",
     )
-    session.run("python", "-m", "pytest", *deepspeed_tests, "--durations=10", *session.posargs)
+    # a worker per core, each file on one worker (--dist loadfile): test_deepspeed.py's module fixtures
+    # run the cells once, and the scripts' tests overlap them; most of a test's time is in the ranks
+    # and matrix processes it starts
+    workers = ["-n", "auto", "--dist", "loadfile"]
+    session.run("python", "-m", "pytest", *deepspeed_tests, *workers, "--durations=10", *session.posargs)
 
 
 @nox.session
@@ -238,7 +242,9 @@ def compile_and_float8(session: nox.Session) -> None:
     everything = "--all" in session.posargs
     posargs = [arg for arg in session.posargs if arg != "--all"]
     if not everything:
-        session.run("python", "-m", "pytest", "tests/test_compile_float8.py", "--durations=10", *posargs)
+        # a worker per core: a compiled cell of one process leaves the other core idle while it compiles
+        workers = ["-n", "auto", "--dist", "worksteal"]
+        session.run("python", "-m", "pytest", "tests/test_compile_float8.py", *workers, "--durations=10", *posargs)
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     if everything:  # a cold cache compiles each graph once: minutes for a gemma-cache cell on 2 cores
         cells = ["--engine", f"{EAGER_ENGINES},{COMPILED_ENGINES}", "--cell-timeout", "900"]
