@@ -287,3 +287,22 @@ def test_the_slice_writes_its_compatibility_table(slice_run):
         [sys.executable, "-m", "matrix", "compatibility", str(directory)], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0 and done.stdout == table
+
+
+def test_a_scripts_config_carries_what_differs_from_each_config_class_default():
+    """A repro script builds the architecture's config from config_kwargs(). A sub-config (DBRX's
+    attn_config and ffn_config) written whole carries every attribute a config has (return_dict,
+    id2label, ...), which an older release's sub-config class refuses: the script of
+    dbrx-moe-index-add-under-autocast failed on transformers 5.0.0 with "Found unknown kwargs"
+    before it built the model. Written as its differences, it builds the same config here."""
+
+    def unversioned(settings: dict) -> dict:
+        return {k: v for k, v in settings.items() if k != "transformers_version"}
+
+    kind = HfArchitecture("hf:dbrx", "dbrx")
+    config = kind.config()
+    kwargs = kind.config_kwargs()
+    for name in ("attn_config", "ffn_config"):
+        assert not {"return_dict", "id2label", "architectures", "transformers_version"} & set(kwargs[name])
+        assert kwargs[name] == unversioned(getattr(config, name).to_diff_dict())
+    assert unversioned(type(config)(**kwargs).to_dict()) == unversioned(config.to_dict())

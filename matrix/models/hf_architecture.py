@@ -130,8 +130,16 @@ class HfArchitecture(CausalLMKind):
         return made[variant]
 
     def config_kwargs(self) -> dict:
-        """The config as keyword arguments of its class (what a repro script writes out)."""
-        return self.config().to_diff_dict()
+        """The config as keyword arguments of its class (what a repro script writes out): what differs
+        from the class's defaults, a sub-config (DBRX's attn_config) likewise. Its to_dict() would carry
+        every attribute a config has, which an older release's sub-config class refuses
+        (transformers 5.0.0's DbrxAttentionConfig: "Found unknown kwargs")."""
+        config = self.config()
+        kwargs = config.to_diff_dict()
+        for name, value in vars(config).items():
+            if name in kwargs and hasattr(value, "to_diff_dict"):
+                kwargs[name] = {k: v for k, v in value.to_diff_dict().items() if k != "transformers_version"}
+        return kwargs
 
     def check_variant(self, variant: Variant) -> None:
         base.ModelKind.check_variant(self, variant)
