@@ -493,3 +493,27 @@ def test_a_scripts_torch_loop_clips_as_the_deepspeed_that_runs_it(cell, tmp_path
         clipped[default] = json.loads(done.stdout.strip().splitlines()[-1])
     assert clipped == {"0.0": None, "1.0": 1.0}
     assert ds.default_gradient_clipping() == ENGINES[cell.rsplit("-cpu-", 1)[1]].max_grad_norm
+
+
+@needs_deepspeed
+def test_a_release_row_whose_cell_this_machine_cannot_run_is_not_run_here(monkeypatch):
+    """DeepSpeed refuses fp16 on a CPU without fp16 support (this AVX2 machine's does): the matrix skips
+    deepspeed-zero0-bf16-adamw-stepped-at-construction's fp16 cell here, so its script on 0.15.4 said
+    'Type fp16 is not supported' and its row read 'differs'. The row names the missing capability
+    instead; where the accelerator takes fp16 it goes on to run."""
+    from matrix.catalogue.entries import load
+    from matrix.releases.entry_releases import needs, plan
+
+    entry = next(e for e in load().entries if e.id == "deepspeed-zero0-bf16-adamw-stepped-at-construction")
+    baseline = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0", "deepspeed": "0.19.8"}
+
+    def row():
+        (made,) = [r for r in plan([entry], {"deepspeed": ["0.15.4", "0.19.8"]}) if r["release"] == "0.15.4"]
+        return made
+
+    said = "Requires: [fp16 on DeepSpeed's cpu accelerator] (DeepSpeed: Type fp16 is not supported on your device.)"
+    monkeypatch.setattr(ds, "accelerator_refusal", lambda device, dtype: said if dtype == "fp16" else None)
+    reason = needs(entry, row(), baseline, {"deepspeed": ["0.15.4", "0.19.8"]})
+    assert reason == f"needs what the matrix skips the cell for on this machine: {said}"
+    monkeypatch.setattr(ds, "accelerator_refusal", lambda device, dtype: None)
+    assert needs(entry, row(), baseline, {"deepspeed": ["0.15.4", "0.19.8"]}) is None

@@ -245,6 +245,18 @@ def _meets(version: str | None, specifier: SpecifierSet) -> bool:
         return False
 
 
+def capability_refusal(cell) -> str | None:
+    """Why the matrix skips `cell` on this machine for a capability its device lacks (DeepSpeed's CPU
+    accelerator refusing fp16 where the CPU has no fp16 support), or None: its script cannot show the
+    entry here either. Packages the cell needs are not asked about here (needs() installs them)."""
+    from matrix.devices import DEVICES
+    from matrix.engines import ENGINES
+    from matrix.precisions.policies import PRECISIONS
+
+    precision, device = PRECISIONS[cell.precision], DEVICES[cell.device]
+    return device.skip_reason(precision, 0) or ENGINES[cell.engine].precision_device_skip_reason(precision, device)
+
+
 def needs(entry, row: dict, baseline: dict[str, str], listings: dict[str, list[str]]) -> str | None:
     """What the row needs that this machine or environment lacks, decided before installing, or None;
     sets the row's companions (the releases another named package needs beside it)."""
@@ -276,6 +288,9 @@ def needs(entry, row: dict, baseline: dict[str, str], listings: dict[str, list[s
     unmet = entry.unmet(local_context(), "hardware")
     if unmet:
         return "needs " + ", ".join(str(r) for r in unmet) + " (the entry's hardware condition)"
+    refused = capability_refusal(cell)
+    if refused:
+        return f"needs what the matrix skips the cell for on this machine: {refused}"
     companions = []
     for other, specifier in entry.versions.items():
         if other == row["package"] or _meets(baseline.get(other.lower()), specifier):
