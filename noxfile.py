@@ -242,9 +242,7 @@ def compile_and_float8(session: nox.Session) -> None:
     everything = "--all" in session.posargs
     posargs = [arg for arg in session.posargs if arg != "--all"]
     if not everything:
-        # a worker per core: a compiled cell of one process leaves the other core idle while it compiles
-        workers = ["-n", "auto", "--dist", "worksteal"]
-        session.run("python", "-m", "pytest", "tests/test_compile_float8.py", *workers, "--durations=10", *posargs)
+        session.run("python", "-m", "pytest", "tests/test_compile_float8.py", "--durations=10", *posargs)
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     if everything:  # a cold cache compiles each graph once: minutes for a gemma-cache cell on 2 cores
         cells = ["--engine", f"{EAGER_ENGINES},{COMPILED_ENGINES}", "--cell-timeout", "900"]
