@@ -57,6 +57,89 @@ def test_non_finite_values_fail_as_such(bad):
         checks.check_within_tolerance("eval loss", bad, 1.0, Tolerance(1, 1))
 
 
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass (as a quantized or float8 weight is): tested element by element."""
+
+
+@given(
+    tensors=st.lists(
+        st.tuples(
+            st.sampled_from(DTYPES),
+            st.lists(
+                st.sampled_from([0.0, -1.5, 3.0, 6e4, 3e38, math.nan, math.inf, -math.inf]), min_size=1, max_size=9
+            ),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_nonfinite_names_are_those_an_element_by_element_test_names(tensors):
+    """The sum-first test names exactly the tensors torch.isfinite(t).all() names, in order: a sum that
+    overflows (6e4 in float16, 3e38 added up in float32) is no NaN, and NaN or infinity in any dtype is."""
+    named = []
+    for index, (dtype, values, subclass) in enumerate(tensors):
+        if dtype == torch.int64:
+            values = [0 if not math.isfinite(v) or abs(v) > 1e18 else v for v in values]
+        tensor = torch.tensor(values, dtype=torch.float64).to(dtype)  # 3e38 is inf in float16 and bfloat16 too
+        named.append((f"t{index}", tensor.as_subclass(Wrapped) if subclass else tensor))
+    expected = [name for name, tensor in named if not torch.isfinite(tensor.as_subclass(torch.Tensor)).all()]
+    assert checks.nonfinite_names(named) == expected
+
+
+def test_a_gradient_or_weight_with_nan_is_named_among_parameters():
+    good, nan_grad, inf_weight = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+    nan_grad.grad = torch.tensor([1.0, math.nan, 0.0, 0.0])
+    good.grad = torch.full((4,), 6e4, dtype=torch.float32)
+    inf_weight.data[2] = math.inf
+    parameters = [("good", good), ("nan_grad", nan_grad), ("inf_weight", inf_weight)]
+    assert checks.nonfinite_gradients(parameters) == ["nan_grad"]
+    with pytest.raises(checks.NonFiniteValue, match="parameters are not finite after the step") as raised:
+        checks.check_finite_parameters(parameters, "after the step")
+    assert raised.value.details == "1 tensors, first inf_weight"
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A one-rank gloo group and its mesh, destroyed after the test (this process keeps no group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not torch.distributed.is_initialized()
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_dtensors_nan_is_named_from_its_local_parts_in_one_all_reduce(one_rank_mesh, monkeypatch):
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    def dtensor(values, placement):
+        return distribute_tensor(torch.tensor(values), one_rank_mesh, [placement])
+
+    reductions = []
+    all_reduce = torch.distributed.all_reduce
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda t, **kw: reductions.append(t.numel()) or all_reduce(t, **kw)
+    )
+    named = [
+        ("sharded_nan", dtensor([1.0, math.nan], Shard(0))),
+        ("sharded_overflowing", dtensor([3e38, 3e38], Shard(0))),  # its sum is inf: tested element by element
+        ("replicated_inf", dtensor([math.inf, 0.0], Replicate())),
+        ("fine", dtensor([1.0, 2.0], Shard(0))),
+    ]
+    assert checks.nonfinite_names(named) == ["sharded_nan", "replicated_inf"]
+    assert reductions == [4]  # the four sums, added across the ranks at once
+    partial = torch.distributed.tensor.DTensor.from_local(torch.tensor([math.nan]), one_rank_mesh, [Partial()])
+    reductions.clear()
+    assert checks.nonfinite_names([("partial", partial)]) == ["partial"] and reductions == []
+
+
 def test_unchanged_parameters_are_caught():
     model = torch.nn.Linear(2, 2)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
