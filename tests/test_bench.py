@@ -279,3 +279,33 @@ def test_a_cell_that_never_reached_its_engine_spent_nothing_of_its_floor():
     (floor,) = floor_costs([cell(0.5), cell(0.25), cell(None, "failed"), cell(None, "skipped")])
     assert (floor.cells, floor.total_s, floor.median_s) == (3, 0.75, 0.25)
     assert floor_costs([cell(None), cell(None)]) == []
+
+
+def test_the_per_engine_section_names_the_cells_its_failed_and_fixed_count():
+    """A count of failed or fixed cells says nothing of which: the page lists them with their signature."""
+    cells = [
+        {"id": "a-fp32-train-cpu-ddp", "outcome": "passed", "signature": None},
+        {"id": "b-fp16-mixed-train-cpu-ddp", "outcome": "failed", "signature": {"text": "train_steps: CurveDiverged"}},
+        {"id": "c-bf16-true-eval-cpu-torch", "outcome": "fixed", "signature": None},
+        {"id": "d-fp32-eval-cpu-torch", "outcome": "known", "signature": {"text": "evaluate: x"}},
+    ]
+    found = bench.unexplained(cells)
+    assert [(c["id"], c["outcome"]) for c in found] == [
+        ("b-fp16-mixed-train-cpu-ddp", "failed"),
+        ("c-bf16-true-eval-cpu-torch", "fixed"),
+    ]
+    per_engine = {
+        "pytest_args": ["--device", "cpu"],
+        "counts": {"passed": 1, "failed": 1, "fixed": 1, "known": 1},
+        "wall_s": 3.0,
+        "compute_s": 2.0,
+        "engines": [],
+        "floors": [],
+        "slowest_phase": {},
+        "unexplained": found,
+    }
+    lines = bench.per_engine_markdown(per_engine, "python -m matrix run")
+    assert "- failed: `b-fp16-mixed-train-cpu-ddp`: train_steps: CurveDiverged" in lines
+    assert "- fixed: `c-bf16-true-eval-cpu-torch`" in lines
+    assert lines.index("- fixed: `c-bf16-true-eval-cpu-torch`") < lines.index("|---|---|---|---|---|---|---|---|---|")
+    assert not any(line.startswith("- ") for line in bench.per_engine_markdown({**per_engine, "unexplained": []}, "x"))

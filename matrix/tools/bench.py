@@ -213,7 +213,18 @@ def run_per_engine(runner: list[str], extra: list[str], report_dir: Path) -> dic
         "engines": [asdict(cost) for cost in engine_costs(cells)],
         "floors": [asdict(cost) for cost in floor_costs(cells)],
         "slowest_phase": slowest,
+        "unexplained": unexplained(cells),
     }
+
+
+def unexplained(cells: list[dict]) -> list[dict]:
+    """The cells of a run that failed in a way the catalogue does not explain, or that a known
+    failure no longer fails: by id, with their signature (the page names what its counts hide)."""
+    return [
+        {"id": c["id"], "outcome": c["outcome"], "signature": (c.get("signature") or {}).get("text")}
+        for c in cells
+        if c.get("outcome") in ("failed", "fixed")
+    ]
 
 
 def per_engine_markdown(per_engine: dict, runner: str) -> list[str]:
@@ -227,6 +238,17 @@ def per_engine_markdown(per_engine: dict, runner: str) -> list[str]:
         "train, evaluate, save, export, restore, close: `metrics.library_seconds`); how many times the floor "
         "the cells took; and its slowest phase in all (`phase_seconds`).",
         "",
+    ]
+    if per_engine.get("unexplained"):  # what its counts' failed and fixed are
+        lines.append(
+            "Its cells that failed in a way the catalogue does not explain, or that a known failure no longer fails:"
+        )
+        lines.append("")
+        for cell in per_engine["unexplained"]:
+            signature = f": {cell['signature']}" if cell["signature"] else ""
+            lines.append(f"- {cell['outcome']}: `{cell['id']}`{signature}")
+        lines.append("")
+    lines += [
         "| engine | mode | cells | median cell | total | floor: median | floor: total | cell / floor "
         "| engine's slowest phase |",
         "|---|---|---|---|---|---|---|---|---|",
