@@ -87,8 +87,8 @@ _SUMMABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def nonfinite_names(named_tensors) -> list[str]:
     """The names, in order, of the tensors holding a NaN or an infinity. A NaN or an infinity makes
     any sum of a tensor's elements non-finite, so a tensor whose sum is finite has none: each is
-    summed (one reduction, where torch.isfinite(t).all() makes a mask of the whole tensor and reduces
-    it: 15x the time on a 22M-parameter model's weights, on a CPU), and only those whose sum is not
+    summed (one reduction, where torch.isfinite(t).all() writes a mask of the whole tensor and reduces
+    that: on a real model's weights, after every step, more than the step), and only those whose sum is not
     finite (or overflowed) are tested element by element, as is every other tensor (a quantized or
     float8 subclass, an integer dtype). A DTensor sharded or replicated on a one-dimensional mesh (FSDP2's
     parameters and gradients) is summed in its local part, and its mesh's ranks add their sums in one
