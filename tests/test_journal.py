@@ -1,5 +1,9 @@
 """The run journal: what a reader sees while it grows, and after its writer died mid-line."""
 
+import os
+
+import pytest
+
 from matrix.results import journal
 
 AXES = {"model": "lora", "precision": "fp32", "mode": "eval", "device": "cpu", "engine": "torch"}
@@ -39,3 +43,25 @@ def test_a_restart_request_is_seen(tmp_path):
     log = journal.Journal(tmp_path)
     log.write("restart", reason="cuda context lost")
     assert len(journal.read(tmp_path).restarts) == 1
+
+
+NO_DEV_FULL = "Requires: [/dev/full] (a device whose writes fail with ENOSPC)"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason=NO_DEV_FULL)
+def test_a_full_disk_refuses_the_line_and_every_line_after_it(tmp_path):
+    """/dev/full answers every write with ENOSPC, as a full disk does: the refusal names the file and
+    the error; a later write is refused without reaching the file (a line after a lost one would read
+    as complete), and closing does not raise the same refusal again."""
+    (tmp_path / journal.JOURNAL).symlink_to("/dev/full")
+    log = journal.Journal(tmp_path)
+    with pytest.raises(journal.ReportNotWritten) as refused:
+        log.header({"id": "r"}, {}, {})
+    message = str(refused.value)
+    path = tmp_path / journal.JOURNAL
+    assert message.startswith(f"ReportNotWritten: OSError: ENOSPC No space left on device: {path}")
+    assert f"python -m matrix fold {tmp_path}" in message
+    with pytest.raises(journal.ReportNotWritten) as again:
+        log.started(CELL, AXES)
+    assert again.value is refused.value
+    log.close()

@@ -266,6 +266,16 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, catalog
     assert not reports.exists() or not any(reports.iterdir())  # no partial output
 
 
+def test_a_report_directory_that_cannot_be_made_is_bad_input(tmp_path):
+    """--report-dir below a file: the run directory cannot be made, and that is said in one line."""
+    (tmp_path / "a-file").write_text("")
+    done = matrix_run(tmp_path / "a-file" / "reports", "--model", "tiny-llama")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    message = done.stderr.strip()
+    assert "Traceback" not in done.stderr and message.count("\n") == 0, message
+    assert message.startswith("ERROR: --report-dir: ReportNotWritten: NotADirectoryError: ENOTDIR"), message
+
+
 def test_a_downstream_model_kind_runs_through_the_matrix_without_editing_it(tmp_path):
     """The extension point (docs/extending.md, "A model kind"), from a module outside this repository."""
     (tmp_path / "downstream_kind.py").write_text(
@@ -314,3 +324,36 @@ def test_a_library_exception_that_is_not_an_exception_fails_its_cell_in_a_rank_t
         assert cell["outcome"] == "failed" and cell["phase"] == "evaluate", (cell["id"], cell["message"])
         assert cell["signature"]["exception"].endswith("LibraryAbort"), cell["signature"]
         assert "LibraryAbort: the library gave up on this rank" in cell["message"], cell["message"]
+
+
+@pytest.mark.parametrize("runner", ["pytest", "matrix run"])
+def test_a_report_the_file_system_refuses_stops_the_run_in_one_line(tmp_path, runner):
+    """The disk fills up while a cell runs (tests/plugins/disk_fills_up.py): the cell's checkpoint
+    and then its record are refused. The run stops there with the refusal in one line and its own
+    exit status, not an internal error of pytest, and python -m matrix run does not resume into the
+    same refusal; the cells recorded before stay in the journal, and fold writes their report."""
+    journal = tmp_path / "full" / "cells.jsonl"
+    program = ["-m", "pytest", "cases"] if runner == "pytest" else ["-m", "matrix", "run", "cases"]
+    command = [sys.executable, *program, "-p", "disk_fills_up", "--model", "tiny-llama", *CELLS, "--mode", "train"]
+    command += ["--report-dir", str(tmp_path), "--run-id", "full"]
+    env = {**environment(), "DISK_FILLS_UP_JOURNAL": str(journal)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 6, output[-3000:]  # REPORT_NOT_WRITTEN_STATUS
+    assert "INTERNALERROR" not in output, output[-3000:]
+    assert f"ReportNotWritten: OSError: EFBIG File too large: {journal}; the run stops here" in output, output[-3000:]
+    if runner == "matrix run":
+        assert "python -m matrix run: stopped, the report could not be written; not resuming" in done.stderr
+    assert not (tmp_path / "full" / "results.json").exists()
+    folded = subprocess.run(
+        [sys.executable, "-m", "matrix", "fold", str(tmp_path / "full")],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert folded.returncode == 0, folded.stderr[-3000:]
+    cells = by_id(results(tmp_path / "full"))
+    assert cells["tiny-llama-fp32-train-cpu-torch"]["outcome"] == "passed"
+    assert cells["tiny-llama-bf16-true-train-cpu-torch"]["phase"] == "crash"  # in flight when the run stopped

@@ -4,6 +4,7 @@ them, and the report at the end; with the command that re-runs one cell."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -32,6 +33,7 @@ from matrix.plugin.session import (
     selection_key,
     shard_key,
 )
+from matrix.results.journal import REPORT_NOT_WRITTEN_STATUS, ReportNotWritten
 from matrix.results.recording import RunInUse, RunRecorder, started_at
 from matrix.results.records import (
     CellRecord,
@@ -68,6 +70,17 @@ def is_timeout(report) -> bool:
     return report.failed and "Timeout (>" in str(report.longrepr) and "pytest-timeout" in str(report.longrepr)
 
 
+@contextlib.contextmanager
+def stopping_if_refused():
+    """A write to the report that the file system refuses (matrix/results/journal.py
+    ReportNotWritten) stops the session with its one line and REPORT_NOT_WRITTEN_STATUS, where it
+    would otherwise surface as an internal error of pytest in the middle of a cell's report."""
+    try:
+        yield
+    except ReportNotWritten as error:
+        pytest.exit(str(error), returncode=REPORT_NOT_WRITTEN_STATUS)
+
+
 def skip_reason_of(report) -> str:
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     return reason.removeprefix("Skipped: ")
@@ -88,6 +101,8 @@ class Recorder:
         except ValueError as error:  # a bad or taken --run-id, or nothing to resume
             message = str(error) if isinstance(error, RunInUse) else f"--run-id: {error}"
             raise pytest.UsageError(message) from None
+        except ReportNotWritten as error:  # --report-dir where the run cannot make its directory
+            raise pytest.UsageError(f"--report-dir: {error}") from None
         self.nodeids: dict[str, Cell] = {}
         self.previous_sigterm = None
 
@@ -128,9 +143,10 @@ class Recorder:
         from matrix.precisions.policies import table
 
         activate(self.config)  # an xdist controller collects nothing: the cells' side starts here
-        self.run.start(
-            self.selected, self.run_header(), lambda: environment.capture(device_index(self.config)), table()
-        )
+        with stopping_if_refused():
+            self.run.start(
+                self.selected, self.run_header(), lambda: environment.capture(device_index(self.config)), table()
+            )
         shards = shard_plan(self.config)
         if shards is not None:  # every shard's cells, for merge to name those of a shard that never reported
             shards.write(self.run.directory)
@@ -177,9 +193,15 @@ class Recorder:
     def pytest_runtest_logstart(self, nodeid, location):
         cell = self.cell_of(nodeid) if "::test_cell[" in nodeid else None
         if cell is not None:
-            self.run.cell_started(cell, rerun_command(self.config, nodeid, cell))
+            with stopping_if_refused():
+                self.run.cell_started(cell, rerun_command(self.config, nodeid, cell))
 
     def pytest_runtest_logreport(self, report):
+        with stopping_if_refused():
+            self.record(report)
+
+    def record(self, report) -> None:
+        """What a test's report says of its cell (or exploration), into the run's recording."""
         properties = dict(report.user_properties)
         if report.when == "setup" and report.passed and "::test_cell[" in report.nodeid:
             # the cell's own clock starts now, after its kind's (and engine's libraries') one-time work
@@ -232,7 +254,8 @@ class Recorder:
         try:
             return (yield)
         finally:
-            self.run.finish(exitstatus, self.config.stash.get(restart_key, None))
+            with stopping_if_refused():
+                self.run.finish(exitstatus, self.config.stash.get(restart_key, None))
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.run.written:

@@ -10,6 +10,7 @@ turns a journal whose controller was killed into results.json, marked incomplete
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -18,6 +19,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 JOURNAL = "cells.jsonl"
+# the exit status of a run stopped because its report could not be written (pytest's own are 0-5)
+REPORT_NOT_WRITTEN_STATUS = 6
+
+
+class ReportNotWritten(Exception):
+    """The file system refused a write to the run's report: a full disk, a file-size limit, a
+    directory made read-only. Nothing a run does after it could be recorded, so the run stops
+    (the pytest plugin, with REPORT_NOT_WRITTEN_STATUS); what the journal holds up to the refused
+    line is still there for `python -m matrix fold` once the cause is gone."""
+
+    def __init__(self, path: Path, error: OSError, run_directory: Path | None = None) -> None:
+        code = errno.errorcode.get(error.errno, "") if error.errno is not None else ""
+        kept = (
+            f"the cells recorded before are in {run_directory / JOURNAL} (`python -m matrix fold "
+            f"{run_directory}` writes their report once the file system takes it)"
+            if run_directory is not None
+            else "nothing was recorded"
+        )
+        super().__init__(
+            f"ReportNotWritten: {type(error).__name__}: {code} {error.strerror or error}: {path}; "
+            f"the run stops here; {kept}"
+        )
+        self.path, self.error = path, error
+
+
 RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -49,12 +75,24 @@ class Journal:
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / JOURNAL
-        self.file = open(self.path, "a", encoding="utf-8")
+        self.refused: ReportNotWritten | None = None  # the first write the file system refused
+        try:
+            self.file = open(self.path, "a", encoding="utf-8")
+        except OSError as error:
+            raise ReportNotWritten(self.path, error, self.path.parent) from error
 
     def write(self, event: str, **fields) -> None:
+        """Appends the event as one line. A write the file system refuses raises ReportNotWritten,
+        and so does every write after it: a line after a lost one would read as complete."""
+        if self.refused is not None:
+            raise self.refused
         line = json.dumps(json_safe({"event": event, "time": time.time(), **fields}), allow_nan=False)
-        self.file.write(line + "\n")
-        self.file.flush()
+        try:
+            self.file.write(line + "\n")
+            self.file.flush()
+        except OSError as error:
+            self.refused = ReportNotWritten(self.path, error, self.path.parent)
+            raise self.refused from error
 
     def header(self, run: dict, environment: dict, precisions: dict) -> None:
         """The run, its machine, and the precision table its cells run with (so that a fold
@@ -78,7 +116,13 @@ class Journal:
         self.write("exploration", record=record)
 
     def close(self) -> None:
-        self.file.close()
+        """Closes the file. After a refused write, the rest of that line may still be buffered and
+        refused again on close: that refusal was reported when it happened, and is not raised twice."""
+        try:
+            self.file.close()
+        except OSError as error:
+            if self.refused is None:
+                raise ReportNotWritten(self.path, error, self.path.parent) from error
 
 
 @dataclass
@@ -121,7 +165,7 @@ class Tail:
             with open(self.path, "rb") as file:
                 file.seek(self.offset)
                 chunk = file.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not yet there, or can never be (a bad --report-dir)
             return self.state
         complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for its end
         self.offset += len(complete)

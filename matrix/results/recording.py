@@ -92,6 +92,8 @@ class RunRecorder:
                 raise RunInUse(
                     f"--run-id: {self.directory} exists; a run never writes into another run's directory"
                 ) from None
+            except OSError as error:  # a report directory the file system refuses: before any cell
+                raise journal.ReportNotWritten(self.directory, error) from error
 
     def done(self) -> set[str]:
         """Cells and exploration targets already recorded (a resumed run skips them)."""
@@ -110,7 +112,11 @@ class RunRecorder:
             self.header, self.environment, self.precisions = header, environment(), precisions
             self.journal.header(self.header, self.environment, self.precisions)
         # a cell that kills the process leaves its Python stack here (python -m matrix run reads it)
-        self.faulthandler_log = open(self.directory / f"faulthandler-{os.getpid()}.log", "w")
+        log = self.directory / f"faulthandler-{os.getpid()}.log"
+        try:
+            self.faulthandler_log = open(log, "w")
+        except OSError as error:
+            raise journal.ReportNotWritten(log, error, self.directory) from error
         faulthandler.enable(file=self.faulthandler_log, all_threads=True)
 
     def cell_started(self, cell: Cell, rerun: str | None) -> None:
@@ -139,8 +145,9 @@ class RunRecorder:
         return self.selected - self.done()
 
     def finish(self, exit_status: int, restart_reason: str | None = None) -> Path | None:
-        """Write results.json and the rest from everything recorded; point `latest` at it."""
-        if self.journal is None:
+        """Write results.json and the rest from everything recorded; point `latest` at it. Nothing,
+        after a journal write the file system refused (the run stopped on it)."""
+        if self.journal is None or self.journal.refused is not None:
             return None
         finished = time.time()
         missing = self.missing()
@@ -165,8 +172,12 @@ class RunRecorder:
             kind_setups=self.kind_setups,
             missing=[{"id": cell_id, "shard": self.header.get("shard")} for cell_id in missing],
         )
-        write_documents(self.directory, document)
-        point_latest(self.reports_root, self.directory)
+        try:
+            write_documents(self.directory, document)
+            point_latest(self.reports_root, self.directory)
+        except OSError as error:
+            path = Path(error.filename) if error.filename else self.directory
+            raise journal.ReportNotWritten(path, error, self.directory) from error
         self.written = self.directory
         return self.directory
 
@@ -176,12 +187,15 @@ class RunRecorder:
             if not self.resume and self.directory.is_dir() and not any(self.directory.iterdir()):
                 self.directory.rmdir()
             return
-        self.journal.close()
-        faulthandler.disable()
-        self.faulthandler_log.close()
-        log = Path(self.faulthandler_log.name)
-        if log.exists() and log.stat().st_size == 0:
-            log.unlink()  # nothing crashed
+        try:
+            self.journal.close()
+        finally:
+            if self.faulthandler_log is not None:
+                faulthandler.disable()
+                self.faulthandler_log.close()
+                log = Path(self.faulthandler_log.name)
+                if log.exists() and log.stat().st_size == 0:
+                    log.unlink()  # nothing crashed
 
     def counts(self):
         return outcome_counts(self.records.values())

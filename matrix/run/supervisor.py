@@ -157,6 +157,10 @@ class Supervisor:
             self.child = subprocess.Popen(self.command(resume), env=self.child_environment())
             timed_out = self.watch()
             returncode = self.child.wait()
+            if returncode == journal.REPORT_NOT_WRITTEN_STATUS and not self.stopping:
+                # the file system refused the report (its line is above): a fresh process would meet it again
+                print("python -m matrix run: stopped, the report could not be written; not resuming", file=sys.stderr)
+                return returncode
             state = journal.read(self.directory)
             if not self.stopping and any(t >= started_at for t in state.restarts):
                 print("python -m matrix run: the process asked for a fresh one (see above); resuming", file=sys.stderr)
