@@ -37,6 +37,7 @@ AVX512_BF16 = {
     "cpu_avx512_bf16": True,
     "cpu_amx_tile": True,
     "cpu_vnni": True,
+    "cpu_onednn_fp16": True,
     "bitsandbytes_cpu_avx512_bf16": True,
     "cuda_compute_capabilities": ["9.0"],
     "selected_cuda_device": 0,
@@ -47,6 +48,7 @@ AVX2 = {
     "cpu_avx512_bf16": False,
     "cpu_amx_tile": False,
     "cpu_vnni": False,
+    "cpu_onednn_fp16": False,
     "bitsandbytes_cpu_avx512_bf16": False,
     "cuda_compute_capabilities": ["7.0"],
     "selected_cuda_device": 0,
@@ -69,6 +71,7 @@ HARDWARE_CONDITIONS = [
     "cpu-avx512-bf16",
     "cpu-amx",
     "cpu-avx512-vnni",
+    "cpu-onednn-fp16",
     "bnb-cpu-avx512-bf16",
     "cuda-sm80",
 ]
@@ -332,7 +335,8 @@ def test_every_report_records_the_hardware_facts():
     from matrix.devices.fingerprint import capture
 
     hardware = capture(0)["hardware"]
-    for key in ("cpu_capability", "cpu_avx512_bf16", "cpu_amx_tile", "cpu_vnni", "bitsandbytes_cpu_avx512_bf16"):
+    keys = ("cpu_capability", "cpu_avx512_bf16", "cpu_amx_tile", "cpu_vnni", "cpu_onednn_fp16")
+    for key in (*keys, "bitsandbytes_cpu_avx512_bf16"):
         assert key in hardware
     assert hardware["cpu_capability"] == __import__("torch").backends.cpu.get_cpu_capability()
 
@@ -379,8 +383,8 @@ def test_reports_show_an_inapplicable_cell_as_its_own_status(tmp_path):
     assert "2 not applicable here**" in summary and f"➖ n/a `{entry.id}`" in summary
     assert f"entry `{entry.id}` (`bnb-cpu-avx512-bf16` does not hold)" in summary
     assert (
-        "torch dispatches on AVX2; CPU has none of AVX512-BF16, AMX, VNNI; bitsandbytes detects AVX512-BF16: no"
-        in summary
+        "torch dispatches on AVX2; CPU has none of AVX512-BF16, AMX, VNNI, oneDNN float16; "
+        "bitsandbytes detects AVX512-BF16: no" in summary
     )
     page = html.html_report(document)
     assert 'class="outcome-inapplicable"' in page and f"n/a {entry.id}" in page

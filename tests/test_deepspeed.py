@@ -517,3 +517,33 @@ def test_a_release_row_whose_cell_this_machine_cannot_run_is_not_run_here(monkey
     assert reason == f"needs what the matrix skips the cell for on this machine: {said}"
     monkeypatch.setattr(ds, "accelerator_refusal", lambda device, dtype: None)
     assert needs(entry, row(), baseline, {"deepspeed": ["0.15.4", "0.19.8"]}) is None
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("onednn_fp16", [False, True])
+def test_zero0_reduces_float16_gradients_only_where_onednn_computes_float16(onednn_fp16, tmp_path):
+    """DeepSpeed's CPU accelerator lists float16 among the dtypes its ZeRO-0 engine all-reduces only
+    where oneDNN computes it (deepspeed-cpu-reduces-no-fp16-gradient-without-onednn-fp16). oneDNN's
+    answer emulated both ways (tests/cpu_emulation, in the ranks too), whatever this CPU has: without
+    it fp16-true training stops at the reduction, the hardware fact says why and the entry claims it;
+    with it the gradients are reduced and the cell goes on, to fp16 AdamW's own failure."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env.update(PYTHONPATH=str(root / "tests" / "cpu_emulation"), MATRIX_EMULATE_ONEDNN_FP16=str(int(onednn_fp16)))
+    selection = ["--model", "tiny-transformer", "--precision", "fp16-true", "--mode", "train", "--device", "cpu"]
+    command = [sys.executable, "-m", "matrix", "run", "cases", *selection, "--engine", "deepspeed-zero0"]
+    command += ["--report-dir", str(tmp_path), "--run-id", "onednn"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    document = json.loads((tmp_path / "onednn" / "results.json").read_text())
+    assert document["environment"]["hardware"]["cpu_onednn_fp16"] is onednn_fp16
+    (cell,) = document["cells"]
+    signature = cell["signature"]["text"]
+    assert cell["outcome"] == "known", (signature, done.stdout[-2000:])
+    if onednn_fp16:
+        assert "unsupported grad type" not in signature
+        assert cell["known_failure"]["id"] == "adamw-fp16-eps-underflow", signature
+    else:
+        refusal = "train_steps: AssertionError: attempting to reduce an unsupported grad type: torch.float16"
+        assert signature.startswith(refusal), signature
+        assert cell["known_failure"]["id"] == "deepspeed-cpu-reduces-no-fp16-gradient-without-onednn-fp16"
+    assert done.returncode == 0

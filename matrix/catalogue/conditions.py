@@ -174,6 +174,15 @@ register(
 )
 register(
     Condition(
+        "cpu-onednn-fp16",
+        "oneDNN computes float16 on this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported(): AVX512-FP16 or "
+        "AMX-FP16); DeepSpeed's CPU accelerator lists float16 among its supported dtypes by the same answer",
+        "hardware",
+        lambda c: bool(c.hardware.get("cpu_onednn_fp16")),
+    )
+)
+register(
+    Condition(
         "bnb-cpu-avx512-bf16",
         "bitsandbytes' own detection says the CPU has AVX512-BF16 (bitsandbytes.functional."
         "has_avx512bf16()): its 4-bit layers then repack their weights for its CPU kernel in inference",

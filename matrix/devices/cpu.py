@@ -55,15 +55,30 @@ def bitsandbytes_avx512_bf16() -> tuple[bool | None, str]:
         return None, f"{name}: not readable ({error})"
 
 
+def onednn_fp16() -> bool | None:
+    """oneDNN's answer to "does this CPU compute float16?" (torch.ops.mkldnn._is_mkldnn_fp16_supported():
+    AVX512-FP16 or AMX-FP16), the answer by which DeepSpeed's CPU accelerator lists float16 among its
+    supported dtypes (and so reduces float16 gradients, and accepts an fp16 config); None where this
+    torch has no such probe."""
+    import torch
+
+    try:
+        probe = torch.ops.mkldnn._is_mkldnn_fp16_supported
+    except (AttributeError, RuntimeError):
+        return None
+    return bool(probe())
+
+
 def cpu_hardware_facts() -> dict:
     """The CPU capability torch dispatches on (ATEN_CPU_CAPABILITY lowers it), the CPU's own
-    features, and what bitsandbytes detects."""
+    features, oneDNN's float16, and what bitsandbytes detects."""
     import torch
 
     facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
     for key, probe in CPU_FEATURE_PROBES.items():
         function = getattr(torch.cpu, probe, None)
         facts[key] = bool(function()) if function is not None else None
+    facts["cpu_onednn_fp16"] = onednn_fp16()
     facts["bitsandbytes_cpu_avx512_bf16"], facts["bitsandbytes_detection"] = bitsandbytes_avx512_bf16()
     return facts
 

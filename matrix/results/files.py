@@ -101,7 +101,12 @@ def check(document, file: Path) -> None:
             fail(f"{where}.metrics", "not an object")
 
 
-CPU_FEATURES = (("cpu_avx512_bf16", "AVX512-BF16"), ("cpu_amx_tile", "AMX"), ("cpu_vnni", "VNNI"))
+CPU_FEATURES = (
+    ("cpu_avx512_bf16", "AVX512-BF16"),
+    ("cpu_amx_tile", "AMX"),
+    ("cpu_vnni", "VNNI"),
+    ("cpu_onednn_fp16", "oneDNN float16"),
+)
 
 
 def hardware_line(env: dict) -> str:

@@ -11,6 +11,7 @@ the emulated answer. Test tooling only: nothing in the package imports it.
 """
 
 import ctypes
+import os
 
 _EMULATED = {"has_avx512bf16_cpu": lambda *args: False}
 _getitem = ctypes.CDLL.__getitem__
@@ -23,3 +24,13 @@ def _emulated_getitem(self, name_or_ordinal):
 
 
 ctypes.CDLL.__getitem__ = _emulated_getitem
+
+# oneDNN's float16, by which DeepSpeed's CPU accelerator lists float16 among its supported dtypes
+# (matrix/devices/cpu.py onednn_fp16): MATRIX_EMULATE_ONEDNN_FP16=1 answers
+# torch.ops.mkldnn._is_mkldnn_fp16_supported() with True in every process (an AVX512-FP16 or AMX-FP16
+# CPU), =0 with False (any other). Only then is torch imported here, before anything else asks.
+if os.environ.get("MATRIX_EMULATE_ONEDNN_FP16") in ("0", "1"):
+    import torch
+
+    _ONEDNN_FP16 = os.environ["MATRIX_EMULATE_ONEDNN_FP16"] == "1"
+    torch.ops.mkldnn._is_mkldnn_fp16_supported = lambda: _ONEDNN_FP16
