@@ -194,7 +194,12 @@ def compiled_grid(matrix_cpu, tmp_path_factory):
     in bf16-mixed (engine.compile(); TrainingArguments(torch_compile=True))."""
     selection = ("--model", "tiny-llama", "--precision", "bf16-mixed", "--mode", "train")
     engines = ("--engine", "deepspeed-zero1-compile,hf-trainer-zero2-compile")
-    return matrix_cpu(tmp_path_factory.mktemp("deepspeed-compile"), *selection, *engines)
+    # Inductor compiles inside the cell, from a cold cache on a fresh clone, in each phase that builds
+    # an engine: on two cores shared with the other worker's DeepSpeed scripts the ZeRO-1 twin ran past
+    # the default 120 s (RankTimeout, a fresh clone's nox -s deepspeed at bc9d6f9); nox -s compile --
+    # --all gives a cold cache 900 s for the same reason
+    budget = ("--cell-timeout", "600")
+    return matrix_cpu(tmp_path_factory.mktemp("deepspeed-compile"), *selection, *engines, *budget)
 
 
 @needs_deepspeed
