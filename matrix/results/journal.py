@@ -41,7 +41,6 @@ class ReportNotWritten(Exception):
             f"ReportNotWritten: {type(error).__name__}: {code} {error.strerror or error}: {path}; "
             f"the run stops here; {kept}"
         )
-        self.path, self.error = path, error
 
 
 RUN_ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
