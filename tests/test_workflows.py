@@ -4,7 +4,8 @@
 nightly-gpu.yml (the whole matrix on the self-hosted GPU runners) and nightly-architectures.yml
 (every architecture through every engine, on hosted CPU runners) each call sharded-matrix.yml:
 a plan job, N shard jobs of a job matrix, and a merge job that merges, reports, diffs against
-the previous night's report and gates.
+the previous night's report and gates. nightly-cpu.yml runs whole, every night, the sessions whose tests
+tests.yml runs a slice of.
 
 Each file is validated against GitHub's workflow schema (as vendored by check-jsonschema) and
 linted by zizmor (a test dependency with binary wheels), and by actionlint where its binary is
@@ -37,7 +38,8 @@ TESTS_WORKFLOW = WORKFLOWS / "tests.yml"
 NIGHTLY_WORKFLOW = WORKFLOWS / "nightly-gpu.yml"
 ARCHITECTURES_WORKFLOW = WORKFLOWS / "nightly-architectures.yml"
 SHARDED_WORKFLOW = WORKFLOWS / "sharded-matrix.yml"
-ALL_WORKFLOWS = [TESTS_WORKFLOW, NIGHTLY_WORKFLOW, ARCHITECTURES_WORKFLOW, SHARDED_WORKFLOW]
+WHOLE_WORKFLOW = WORKFLOWS / "nightly-cpu.yml"
+ALL_WORKFLOWS = [TESTS_WORKFLOW, NIGHTLY_WORKFLOW, ARCHITECTURES_WORKFLOW, SHARDED_WORKFLOW, WHOLE_WORKFLOW]
 NIGHTLIES = [NIGHTLY_WORKFLOW, ARCHITECTURES_WORKFLOW]
 
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
@@ -341,6 +343,26 @@ def test_the_architecture_nightly_is_the_nox_sweep_through_every_engine():
     noxfile = (ROOT / "noxfile.py").read_text()
     sweep = re.search(r"^ARCHITECTURE_SWEEP = \((.*)\)$", noxfile, re.MULTILINE).group(1)
     assert "--engine" not in sweep, "every engine: the sweep names none, so all of them run"
+
+
+def test_the_cpu_nightly_runs_whole_what_ci_runs_a_slice_of():
+    """nightly-cpu.yml runs `nox -s real -- --all` and `nox -s repro`: the sessions whose tests the
+    README's test command runs a slice of (tests/test_real_model.py USER_BERT_CI_SLICE,
+    tests/test_repro_engines.py sliced), each a session of the noxfile."""
+    caller = load_workflow(WHOLE_WORKFLOW)
+    assert set(caller["on"]) == {"schedule", "workflow_dispatch"}
+    (job,) = caller["jobs"].values()
+    assert job["runs-on"] == "ubuntu-latest" and job.get("timeout-minutes")
+    assert job["strategy"]["fail-fast"] is False, "one session failing does not cancel the other"
+    sessions = {entry["session"]: entry["args"] for entry in job["strategy"]["matrix"]["include"]}
+    assert sessions == {"real": "--all", "repro": ""}
+    (step,) = run_steps(caller)
+    assert step["env"] == {"SESSION": "${{ matrix.session }}", "ARGS": "${{ matrix.args }}"}
+    assert step["run"].strip() == 'python3 -m pip install nox && nox -s "$SESSION" -- $ARGS'
+    noxfile = (ROOT / "noxfile.py").read_text()
+    for name in sessions:
+        assert re.search(rf"^def {name}\(session", noxfile, re.MULTILINE), f"no nox session {name}"
+    assert '"MATRIX_REAL_WHOLE_GRID": "1"' in noxfile and 'session.env["MATRIX_REPRO_EVERY_CELL"] = "1"' in noxfile
 
 
 # ------------------------------------------------------------- sharded-matrix.yml, its shape
