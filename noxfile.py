@@ -178,7 +178,7 @@ ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu")
 
 @nox.session
 def deepspeed(session: nox.Session) -> None:
-    """The DeepSpeed engines (issue 29): tests/test_deepspeed.py on the `deepspeed` stack, whose
+    """The DeepSpeed engines (issue 29): tests/test_deepspeed*.py on the `deepspeed` stack, whose
     cells are tiny-llama and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, a
     stack that loses the optimizer's state on every stage, and two compiled twins (DeepSpeed's
     engine.compile(), the Trainer's torch_compile on DeepSpeed); and the standalone scripts of some
@@ -192,15 +192,17 @@ def deepspeed(session: nox.Session) -> None:
     repro = "tests/test_repro_engines.py::test_deepspeed_script_"
     deepspeed_tests = (
         "tests/test_deepspeed.py",
+        "tests/test_deepspeed_compiled.py",
+        "tests/test_deepspeed_builds.py",
         "tests/test_deepspeed_probe.py",
         f"{repro}reproduces_the_catalogued_failure",
         f"{repro}of_a_passing_cell_holds_with_the_records_numbers",
     )
-    # a worker per core; the tests that share a module fixture (a matrix run of DeepSpeed's cells) are
-    # one xdist_group, run on one worker so that the fixture runs once, and the groups and the other
-    # tests spread over the workers (--dist loadgroup); most of a test's time is in the ranks and
-    # matrix processes it starts
-    workers = ["-n", "auto", "--dist", "loadgroup"]
+    # a worker per core, each file on one worker (--dist loadfile): a module's fixtures run its cells
+    # once, and the files spread over the workers; most of a test's time is in the ranks and matrix
+    # processes it starts. (--dist loadgroup would balance finer, but pytest-xdist 3.8 on pytest 9.2
+    # ignores xdist_group marks, pytest-dev/pytest-xdist#1386: a module fixture then runs on each worker.)
+    workers = ["-n", "auto", "--dist", "loadfile"]
     session.run("python", "-m", "pytest", *deepspeed_tests, *workers, "--durations=10", *session.posargs)
 
 
