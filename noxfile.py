@@ -176,34 +176,38 @@ def liger(session: nox.Session) -> None:
 ARCHITECTURE_SWEEP = ("--model", "hf:*", "--device", "cpu")
 
 
+# nox -s deepspeed: what CI runs (the README's test command), and what -- --all adds (nightly-cpu.yml)
+DEEPSPEED_CI_TESTS = ("tests/test_deepspeed.py", "tests/test_deepspeed_probe.py")
+DEEPSPEED_WHOLE_TESTS = (
+    "tests/test_deepspeed_compiled.py",  # engine.compile() and the Trainer's torch_compile on DeepSpeed
+    "tests/test_deepspeed_builds.py",  # DeepSpeed's CPU op built from nothing, its locks
+    "tests/test_repro_engines.py::test_deepspeed_script_reproduces_the_catalogued_failure",
+    "tests/test_repro_engines.py::test_deepspeed_script_of_a_passing_cell_holds_with_the_records_numbers",
+)
+
+
 @nox.session
 def deepspeed(session: nox.Session) -> None:
-    """The DeepSpeed engines (issue 29): tests/test_deepspeed*.py on the `deepspeed` stack, whose
-    cells are tiny-llama and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, a
-    stack that loses the optimizer's state on every stage, and two compiled twins (DeepSpeed's
-    engine.compile(), the Trainer's torch_compile on DeepSpeed); and the standalone scripts of some
-    of its cells (tests/test_repro_engines.py's DeepSpeed tests: each script, run on its own two
-    ranks, reproduces its cell's failure or holds with its numbers). deepspeed is an extra, out of the
-    default environment because its cells would multiply the default run's time (BENCHMARKS.md,
-    cell cost per engine): the whole DeepSpeed CPU grid is nox -s "stack(name='deepspeed')"; an
-    older release: nox -s "stack(name='deepspeed-0.18')"."""
+    """The DeepSpeed engines (issue 29) on the `deepspeed` stack: tests/test_deepspeed.py (tiny-llama
+    and lora through ZeRO 0-3 in fp32 and bf16-mixed, train and eval, on two ranks; the Trainer's
+    ZeRO-2 and ZeRO-3 configs; a stack that loses the optimizer's state on every stage) and
+    tests/test_deepspeed_probe.py. With -- --all (nightly-cpu.yml) also DEEPSPEED_WHOLE_TESTS: two
+    compiled twins (DeepSpeed's engine.compile(), the Trainer's torch_compile on DeepSpeed), the op
+    built from nothing and its locks, and the standalone scripts of some cells (each run on its own
+    two ranks). deepspeed is an extra, out of the default environment because its cells would
+    multiply the default run's time (BENCHMARKS.md, cell cost per engine): the whole DeepSpeed CPU
+    grid is nox -s "stack(name='deepspeed')"; an older release: nox -s "stack(name='deepspeed-0.18')".
+    Other arguments after -- go to pytest."""
     install_stack(session, "test", "deepspeed", stack="deepspeed")
-    # the file's other engines' tests run in the default session
-    repro = "tests/test_repro_engines.py::test_deepspeed_script_"
-    deepspeed_tests = (
-        "tests/test_deepspeed.py",
-        "tests/test_deepspeed_compiled.py",
-        "tests/test_deepspeed_builds.py",
-        "tests/test_deepspeed_probe.py",
-        f"{repro}reproduces_the_catalogued_failure",
-        f"{repro}of_a_passing_cell_holds_with_the_records_numbers",
-    )
+    everything = "--all" in session.posargs
+    posargs = [arg for arg in session.posargs if arg != "--all"]
+    selection = DEEPSPEED_CI_TESTS + (DEEPSPEED_WHOLE_TESTS if everything else ())
     # a worker per core, each file on one worker (--dist loadfile): a module's fixtures run its cells
     # once, and the files spread over the workers; most of a test's time is in the ranks and matrix
     # processes it starts. (--dist loadgroup would balance finer, but pytest-xdist 3.8 on pytest 9.2
     # ignores xdist_group marks, pytest-dev/pytest-xdist#1386: a module fixture then runs on each worker.)
     workers = ["-n", "auto", "--dist", "loadfile"]
-    session.run("python", "-m", "pytest", *deepspeed_tests, *workers, "--durations=10", *session.posargs)
+    session.run("python", "-m", "pytest", *selection, *workers, "--durations=10", *posargs)
 
 
 @nox.session
@@ -230,6 +234,8 @@ EAGER_ENGINES = "torch,accelerate,hf-trainer,lightning,ddp,fsdp2,accelerate-fsdp
 COMPILED_ENGINES = ",".join(f"{name}-compile" for name in EAGER_ENGINES.split(","))
 FLOAT8_PRECISIONS = "float8-tensorwise,float8-rowwise,float8-rowwise-gw-hp"
 COMPILE_CI_SLICE = ("--model", "tiny-llama", "--mode", "train", "--device", "cpu")
+COMPILE_CI_TESTS = ("tests/test_compile_float8.py",)
+COMPILE_WHOLE_TESTS = ("tests/test_compile_float8_distributed.py",)  # each twin's cold compile: minutes
 
 
 @nox.session(name="compile")
@@ -237,15 +243,17 @@ def compile_and_float8(session: nox.Session) -> None:
     """torch.compile and float8 training (docs/compile-and-float8.md): tests/test_compile_float8.py
     and a slice of cells (tiny-llama trained in fp32, bf16-mixed and float8-rowwise, eager and
     compiled by a hand-written loop) on the `float8` stack (torchao). Inductor's caches live in the
-    session's environment, so a second run reuses every graph the first compiled. The whole grid
-    (every engine but DeepSpeed's, eager and compiled): nox -s compile -- --all; the float8
-    stacks' cells: nox -s "stack(name='float8')", nox -s "stack(name='float8-deepspeed')"."""
+    session's environment, so a second run reuses every graph the first compiled.
+    -- --all-tests (nightly-cpu.yml): the distributed twins' float8 tests too (COMPILE_WHOLE_TESTS);
+    -- --all: those, and the whole grid (every engine but DeepSpeed's, eager and compiled); the
+    float8 stacks' cells: nox -s "stack(name='float8')", nox -s "stack(name='float8-deepspeed')"."""
     install_stack(session, "test", "float8", stack="float8")
     session.env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(session.virtualenv.location) / "inductor-cache"))
     everything = "--all" in session.posargs
-    posargs = [arg for arg in session.posargs if arg != "--all"]
-    if not everything:
-        session.run("python", "-m", "pytest", "tests/test_compile_float8.py", "--durations=10", *posargs)
+    every_test = everything or "--all-tests" in session.posargs
+    posargs = [arg for arg in session.posargs if arg not in ("--all", "--all-tests")]
+    tests = COMPILE_CI_TESTS + (COMPILE_WHOLE_TESTS if every_test else ())
+    session.run("python", "-m", "pytest", *tests, "--durations=10", *posargs)
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
     if everything:  # a cold cache compiles each graph once: minutes for a gemma-cache cell on 2 cores
         cells = ["--engine", f"{EAGER_ENGINES},{COMPILED_ENGINES}", "--cell-timeout", "900"]

@@ -17,6 +17,7 @@ and a new failure.
 
 from __future__ import annotations
 
+import ast
 import importlib.resources
 import importlib.util
 import json
@@ -345,24 +346,42 @@ def test_the_architecture_nightly_is_the_nox_sweep_through_every_engine():
     assert "--engine" not in sweep, "every engine: the sweep names none, so all of them run"
 
 
+def nox_sessions():
+    """(name, source) of each session of the noxfile: its function's name, or the name= it is given."""
+    source = (ROOT / "noxfile.py").read_text()
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if "nox.session" in ast.unparse(decorator):
+                given = [k.value.value for k in getattr(decorator, "keywords", []) if k.arg == "name"]
+                yield (given[0] if given else node.name), ast.get_source_segment(source, node)
+
+
 def test_the_cpu_nightly_runs_whole_what_ci_runs_a_slice_of():
-    """nightly-cpu.yml runs `nox -s real -- --all` and `nox -s repro`: the sessions whose tests the
-    README's test command runs a slice of (tests/test_real_model.py USER_BERT_CI_SLICE,
-    tests/test_repro_engines.py sliced), each a session of the noxfile."""
+    """nightly-cpu.yml runs whole the sessions whose tests the README's test command (.ci/run) runs a
+    slice of: each session of that command that takes a flag for its whole run (`"--all..." in
+    session.posargs`) runs with it every night, and nox -s repro, whose tests the tests session
+    slices (tests/test_repro_engines.py MATRIX_REPRO_EVERY_CELL)."""
     caller = load_workflow(WHOLE_WORKFLOW)
     assert set(caller["on"]) == {"schedule", "workflow_dispatch"}
     (job,) = caller["jobs"].values()
     assert job["runs-on"] == "ubuntu-latest" and job.get("timeout-minutes")
-    assert job["strategy"]["fail-fast"] is False, "one session failing does not cancel the other"
+    assert job["strategy"]["fail-fast"] is False, "one session failing does not cancel the others"
     sessions = {entry["session"]: entry["args"] for entry in job["strategy"]["matrix"]["include"]}
-    assert sessions == {"real": "--all", "repro": ""}
     (step,) = run_steps(caller)
     assert step["env"] == {"SESSION": "${{ matrix.session }}", "ARGS": "${{ matrix.args }}"}
     assert step["run"].strip() == 'python3 -m pip install nox && nox -s "$SESSION" -- $ARGS'
     noxfile = (ROOT / "noxfile.py").read_text()
-    for name in sessions:
-        assert re.search(rf"^def {name}\(session", noxfile, re.MULTILINE), f"no nox session {name}"
-    assert '"MATRIX_REAL_WHOLE_GRID": "1"' in noxfile and 'session.env["MATRIX_REPRO_EVERY_CELL"] = "1"' in noxfile
+    (ci_sessions,) = re.findall(r"nox -s ([\w ]+?)\s*$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
+    whole_flags = {name: re.findall(r'"(--all[\w-]*)" in session\.posargs', body) for name, body in nox_sessions()}
+    sliced = {name: whole_flags[name] for name in ci_sessions.split() if whole_flags[name]}
+    assert set(sliced) == {"real", "deepspeed", "compile"}, sliced  # what CI slices today
+    for name, flags in sliced.items():
+        assert sessions.get(name) in flags, f"CI runs a slice of nox -s {name}; no night runs it whole ({flags})"
+    assert sessions.pop("repro") == "" and 'session.env["MATRIX_REPRO_EVERY_CELL"] = "1"' in noxfile
+    assert set(sessions) == set(sliced), "a night's session that CI does not slice"
+    assert '"MATRIX_REAL_WHOLE_GRID": "1"' in noxfile
 
 
 # ------------------------------------------------------------- sharded-matrix.yml, its shape
