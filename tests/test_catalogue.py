@@ -216,6 +216,26 @@ def test_a_trait_selector_matches_the_kinds_that_declare_the_trait():
     assert not entry.selects(Cell("lora", "bf16-mixed", "eval", "cpu", "torch"))
 
 
+@pytest.mark.parametrize(
+    ("model", "selected"),
+    [
+        ("tiny-llama", True),
+        ("lora", True),  # PeftModel's forward passes the count on to LlamaForCausalLM's loss
+        ("hf:gpt_neox", True),  # docs/entry-releases.md's "differs" row at transformers 5.0.0
+        ("hf:mbart", False),  # its loss ignores the count: trainer-scales-a-loss-that-ignores-num-items
+        ("tiny-transformer", False),  # no transformers loss for the Trainer's count to reach
+    ],
+)
+def test_the_trainers_over_count_is_known_by_its_mechanism_on_any_causal_lm(model, selected):
+    """trainer-num-items-overcounts-causal-lm selects by next-token-loss-takes-num-items, not by a
+    list of kinds: on transformers 5.9.0 the Trainer's first-step loss of lora, qlora, hf:gpt_neox and
+    hf:olmo2 is the same 14/15-style fraction of the torch engine's as tiny-llama's, and read as new."""
+    entry = catalogue.load().by_id("trainer-num-items-overcounts-causal-lm")
+    assert entry.selects(Cell(model, "fp32", "train", "cpu", "hf-trainer")) is selected
+    assert not entry.selects(Cell(model, "fp32", "train", "cpu", "accelerate"))
+    assert entry.versions_hold({"transformers": "5.9.0"}) and not entry.versions_hold({"transformers": "5.10.1"})
+
+
 def test_an_unknown_trait_is_refused_naming_the_known_ones(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text(TRAIT_ENTRY.replace('"full-weights"', '"big"'))

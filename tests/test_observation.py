@@ -33,11 +33,14 @@ def user_gpt2():
 # give the same answer, so no catalogue entry selects another cell than it did. unsaved-float-buffers
 # replaced the rope entry's list of kinds (tiny-llama, gemma-cache, liger-llama): lora has the
 # buffer too, but reloads its base the way it built it, so it must not have the trait.
+# next-token-loss-takes-num-items replaced trainer-num-items-overcounts-causal-lm's list of kinds
+# (tiny-llama, gemma-cache): every transformers causal LM the Trainer trains has it, lora's too.
+NEXT_TOKEN = "next-token-loss-takes-num-items"
 DECLARED_BEFORE = {
     "tiny-transformer": {"full-weights", "layer-norm"},
-    "tiny-llama": {"full-weights", "loaded-from-pretrained", "unsaved-float-buffers"},
-    "gemma-cache": {"full-weights", "loaded-from-pretrained", "unsaved-float-buffers"},
-    "lora": {"adapters"},
+    "tiny-llama": {"full-weights", "loaded-from-pretrained", "unsaved-float-buffers", NEXT_TOKEN},
+    "gemma-cache": {"full-weights", "loaded-from-pretrained", "unsaved-float-buffers", NEXT_TOKEN},
+    "lora": {"adapters", NEXT_TOKEN},
 }
 
 
@@ -66,7 +69,7 @@ def test_a_users_decoder_with_module_dropout_right_padding_and_ignored_labels(us
     # GPT-2's projections are Conv1D, its one Linear the lm_head float8 leaves out: no float8 layer
     assert found.traits == {
         *("full-weights", "layer-norm", "dropout", "loaded-from-pretrained", "unmapped-loss-type"),
-        "no-float8-layers",
+        *("no-float8-layers", NEXT_TOKEN),
     }
     assert found.float8_layers == 0
     assert found.unmapped_loss_type == "GPT2LMHeadModel"
@@ -143,6 +146,25 @@ def test_the_mechanisms_the_sweep_found_are_observed_traits(model, trait):
     fact of the model, observed, so that the next architecture with it is known, not new."""
     assert trait in observe(MODELS[model]).traits
     assert trait not in observe(MODELS["tiny-llama"]).traits
+
+
+@pytest.mark.parametrize(
+    ("model", "has_it"),
+    [
+        ("hf:gpt_neox", True),  # entry-releases' "differs" row at transformers 5.0.0, by name until now
+        ("hf:mbart", False),  # its loss ignores num_items_in_batch (ignores-num-items-in-batch instead)
+        ("tiny-transformer", False),  # not a transformers model: the Trainer's count reaches no loss
+    ],
+)
+def test_a_loss_that_divides_by_the_count_it_is_given_over_next_token_labels_is_observed(model, has_it):
+    """trainer-num-items-overcounts-causal-lm selects by next-token-loss-takes-num-items: the model's
+    loss changes with the num_items_in_batch it is given (ForCausalLMLoss divides by it) and, given
+    none, averages over next-token labels, so a Trainer that counts every label makes it smaller."""
+    found = observe(MODELS[model])
+    assert ("next-token-loss-takes-num-items" in found.traits) is has_it, found.as_dict()
+    assert (found.takes_num_items is not None) is has_it
+    if model == "hf:mbart":
+        assert found.ignores_num_items == "MBartForCausalLM" and found.takes_num_items is None
 
 
 def test_a_first_observation_asked_for_inside_no_grad_still_observes():

@@ -83,6 +83,11 @@ TRAITS: dict[str, str] = {
         "its transformers forward takes **kwargs, so the Trainer passes num_items_in_batch and scales its "
         "loss by the process count, but its loss ignores it (MBartForCausalLM's own CrossEntropyLoss)"
     ),
+    "next-token-loss-takes-num-items": (
+        "its transformers forward takes **kwargs and its loss changes with the num_items_in_batch it is given "
+        "(ForCausalLMLoss divides its sum by it), and given none averages over next-token labels: a Trainer "
+        "that counts every label, the first of each row too, makes the loss smaller"
+    ),
     "module-shared-across-instances": (
         "some of its submodules are the very objects every other instance of it in the process holds "
         "(XLM's feed-forward activation is transformers' module-level gelu): a library that registers a model's "

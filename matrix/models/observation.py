@@ -24,6 +24,9 @@ on the CPU in fp32:
   DeepseekV2's router gate.weight), which leave a layer holding two dtypes;
 - a transformers class whose forward takes **kwargs but whose loss ignores num_items_in_batch
   (`ignores-num-items-in-batch`: MBartForCausalLM), which the Trainer scales for all the same;
+  and one whose loss divides by the num_items_in_batch it is given while it averages over
+  next-token labels when given none (`next-token-loss-takes-num-items`: LlamaForCausalLM), which
+  a Trainer counting every label, the shifted-off first ones too, makes smaller;
 - trainable parameters the training forward never uses, left without a gradient by the fp32
   backward (`unused-parameters`: MBartForCausalLM's cross-attention), which DDP's reducer waits for;
 - whether it is a transformers model whose class name names no loss type (`loss_type` None:
@@ -95,6 +98,10 @@ class Observation:
     # and scales its loss for it, but whose loss does not change with it (MBartForCausalLM's own
     # CrossEntropyLoss): under data parallelism the Trainer multiplies a mean by the world size
     ignores_num_items: str | None = None
+    # the transformers class whose forward takes **kwargs and whose loss changes with the
+    # num_items_in_batch it is given (ForCausalLMLoss divides its sum by it): the Trainer's count
+    # becomes the loss's denominator
+    takes_num_items: str | None = None
     unmapped_loss_type: str | None = None  # the transformers class whose loss_type is None
     # submodules that are the very object another instance of the kind holds (XLM's feed-forward
     # activation: transformers' module-level `gelu`): a library that registers a model's modules
@@ -161,6 +168,8 @@ class Observation:
             found.add("fp32-parameters-in-half-loads")
         if self.ignores_num_items:
             found.add("ignores-num-items-in-batch")
+        if self.takes_num_items and self.loss_items == "next-token labels":
+            found.add("next-token-loss-takes-num-items")
         if self.unmapped_loss_type and self.loss_items == "next-token labels":
             found.add("unmapped-loss-type")
         if self.unsaved_float_buffers and self.reloaded_by_library:
@@ -193,6 +202,7 @@ class Observation:
             "tied_output_bias": list(self.tied_output_bias),
             "fp32_in_half_loads": len(self.fp32_in_half_loads),
             "ignores_num_items": self.ignores_num_items,
+            "takes_num_items": self.takes_num_items,
             "fp32_in_half_loads_first": list(self.fp32_in_half_loads[:5]),
             "unmapped_loss_type": self.unmapped_loss_type,
             "unsaved_float_buffers": list(self.unsaved_float_buffers),
@@ -302,11 +312,12 @@ def _unmapped_loss_type(model: nn.Module) -> str | None:
     return None
 
 
-def _ignores_num_items(model: nn.Module, batch: dict) -> str | None:
+def _num_items_effect(model: nn.Module, batch: dict) -> tuple[str, bool] | None:
     """The transformers class inside `model` whose forward takes **kwargs (the Trainer then passes
-    it num_items_in_batch, and multiplies its loss by the number of processes) but whose loss is
-    the same with num_items_in_batch=1 as without: it averages by itself. None where the forward
-    takes no **kwargs, the class says it accepts no loss kwargs, or the model is no such class."""
+    it num_items_in_batch, and multiplies its loss by the number of processes), and whether its
+    loss with num_items_in_batch=1 is the same as without (it averages by itself: True) or not (it
+    divides by the count it is given: False). None where the forward takes no **kwargs, the class
+    says it accepts no loss kwargs, or the model is no such class."""
     import inspect
 
     target = next((m for m in model.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
@@ -325,7 +336,7 @@ def _ignores_num_items(model: nn.Module, batch: dict) -> str | None:
         return None
     finally:
         model.train(was_training)
-    return type(target).__name__ if plain is not None and torch.equal(plain, given) else None
+    return None if plain is None else (type(target).__name__, torch.equal(plain, given))
 
 
 def _shared_across_instances(model: nn.Module, other: nn.Module) -> tuple[str, ...]:
@@ -498,6 +509,7 @@ def _observe(kind) -> Observation:
             frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
             model.eval()
             rule, evidence = _loss_item_rule(kind, model, batch)
+            num_items = _num_items_effect(model, batch)
             # what a *-loaded-* precision trains: the kind's checkpoint of its fp32 weights, read
             # back with its load_weights() (from_pretrained() returns eval mode), as build() does
             loaded = kind.build(dataclasses.replace(fp32, name="fp32-loaded", weights_from="load"), cpu, workdir)
@@ -521,7 +533,8 @@ def _observe(kind) -> Observation:
                 tied_output_bias=_tied_output_bias(model),
                 fp32_in_half_loads=_fp32_in_half_loads(model),
                 unmapped_loss_type=_unmapped_loss_type(model),
-                ignores_num_items=_ignores_num_items(model, batch),
+                ignores_num_items=num_items[0] if num_items and num_items[1] else None,
+                takes_num_items=num_items[0] if num_items and not num_items[1] else None,
                 unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
                 saved_in_another_layout=_saved_in_another_layout(kind, model, workdir),
                 shared_across_instances=_shared_across_instances(model, loaded),
