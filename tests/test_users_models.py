@@ -41,6 +41,7 @@ def test_what_was_observed_about_it_is_in_every_record(gpt2_grid):
         "loaded-from-pretrained",
         "unmapped-loss-type",
         "no-float8-layers",  # GPT-2's projections are Conv1D
+        "next-token-loss-takes-num-items",  # GPT2LMHeadModel's loss divides by the count it is given
     }
     assert record["kind"]["observed"]["loss_items"] == "next-token labels"
     assert record["learning_rate"]["source"] == "calibrated" and record["learning_rate"]["fp32_learns"]
