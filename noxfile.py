@@ -235,7 +235,7 @@ COMPILED_ENGINES = ",".join(f"{name}-compile" for name in EAGER_ENGINES.split(",
 FLOAT8_PRECISIONS = "float8-tensorwise,float8-rowwise,float8-rowwise-gw-hp"
 COMPILE_CI_SLICE = ("--model", "tiny-llama", "--mode", "train", "--device", "cpu")
 COMPILE_CI_TESTS = ("tests/test_compile_float8.py",)
-COMPILE_WHOLE_TESTS = ("tests/test_compile_float8_distributed.py",)  # each twin's cold compile: minutes
+COMPILE_WHOLE_TESTS = ("tests/test_compile_float8_distributed.py",)  # the distributed twins: cold compiles on 2 ranks
 
 
 @nox.session(name="compile")

@@ -1,7 +1,7 @@
-"""The distributed compiled twins trained in float8 on two gloo ranks (issue 37): each cold
-compile takes minutes on two cores, so `nox -s compile` runs this file with -- --all
-(nightly-cpu.yml), and CI runs tests/test_compile_float8.py, whose compiled cells are the torch
-engine's."""
+"""The distributed compiled twins trained in float8 on two gloo ranks (issue 37). Each compiles its
+graphs cold on every rank, the slowest tests of `nox -s compile`: the session runs this file with
+-- --all-tests (every night, nightly-cpu.yml) or -- --all, and CI's slice runs
+tests/test_compile_float8.py, whose compiled cells are the torch engine's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """DeepSpeed's ops, built on first use (matrix/engines/libraries/extension_builds.py): once, outside
 the cells, in the run's own directory, a stale lock taken back or named, a build past its budget
-killed. A file of its own so that `nox -s deepspeed` (a worker per core, each file on one: --dist
-loadfile) runs it beside tests/test_deepspeed.py's grids."""
+killed. A file of its own: `nox -s deepspeed -- --all` (every night, nightly-cpu.yml) runs it, on a
+worker of its own beside tests/test_deepspeed.py's grids (--dist loadfile); CI's slice of the session
+builds the op once for its grids and leaves this file out."""
 
 from __future__ import annotations
 

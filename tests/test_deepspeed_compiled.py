@@ -1,6 +1,7 @@
 """The compiled twins of the DeepSpeed engines (deepspeed-zero1-compile, hf-trainer-zero2-compile) on two
-gloo ranks. A file of its own so that `nox -s deepspeed` (a worker per core, each file on one: --dist
-loadfile) runs it beside tests/test_deepspeed.py's grids: Inductor's compile is most of its time."""
+gloo ranks. A file of its own: `nox -s deepspeed -- --all` (every night, nightly-cpu.yml) runs it, on a
+worker of its own beside tests/test_deepspeed.py's grids (--dist loadfile); Inductor's compile is most of
+its time, and CI's slice of the session leaves it out."""
 
 from __future__ import annotations
 
