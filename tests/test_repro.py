@@ -69,8 +69,8 @@ def write_script(cell, run_dir, tmp_path) -> Path:
     return script
 
 
-def run_standalone(script, tmp_path, *args):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def run_standalone(script, tmp_path, *args, env_extra: dict | None = None):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")} | (env_extra or {})
     return subprocess.run(
         [sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
@@ -101,7 +101,11 @@ def test_a_script_reproduces_the_failing_cells_signature(cell, run_dir, tmp_path
 def test_a_check_failure_shows_its_numbers_and_allowance(run_dir, tmp_path):
     """A check the matrix made (not an exception of the stack): the script prints the comparison
     that failed, with both sides and what was allowed."""
-    done = run_standalone(write_script(CHECK_FAILURE, run_dir, tmp_path), tmp_path)
+    kept = tmp_path / "kept"  # a REPRO_WORKDIR given is the user's: the script writes there and leaves it
+    done = run_standalone(
+        write_script(CHECK_FAILURE, run_dir, tmp_path), tmp_path, env_extra={"REPRO_WORKDIR": str(kept)}
+    )
+    assert (kept / "checkpoint").is_dir(), done.stdout[-2000:]
     failed = [line for line in done.stdout.splitlines() if line.startswith("CHECK ") and line.endswith("FAILED")]
     assert failed == [
         "CHECK checkpoint_reload DtypeContractBroken: after reload: 2 tensors changed dtype against 0, "
@@ -111,8 +115,13 @@ def test_a_check_failure_shows_its_numbers_and_allowance(run_dir, tmp_path):
 
 @pytest.mark.parametrize("cell", PASSING)
 def test_a_script_for_a_passing_cell_holds_with_the_records_numbers(cell, run_dir, tmp_path):
-    done = run_standalone(write_script(cell, run_dir, tmp_path), tmp_path, "--json", str(tmp_path / "out.json"))
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    script = write_script(cell, run_dir, tmp_path)
+    done = run_standalone(script, tmp_path, "--json", str(tmp_path / "out.json"), env_extra={"TMPDIR": str(temporary)})
     assert done.returncode == 0, done.stdout + done.stderr
+    # the directory the script made for its checkpoints is gone with it (every run left one behind)
+    assert not list(temporary.glob("repro-*"))
     assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
     metrics = record_of(run_dir, cell)["metrics"]
     checks = json.loads((tmp_path / "out.json").read_text())["checks"]
@@ -152,8 +161,12 @@ def test_a_distributed_script_starts_the_ranks_its_cell_had(run_dir, tmp_path):
     assert "WORLD_SIZE = 3\n" in repro.generate(cell, world=3)
     script = tmp_path / "one_rank.py"
     script.write_text(repro.generate(cell, tmp_path / "results.json"))
-    done = run_standalone(script, tmp_path)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    done = run_standalone(script, tmp_path, env_extra={"TMPDIR": str(temporary)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the ranks worked in the directory the script made, and only the script removed it, at its end
+    assert not list(temporary.glob("repro-*"))
 
 
 def test_a_script_that_meets_another_failure_exits_2(run_dir, tmp_path):

@@ -344,8 +344,14 @@ def write_script(cell_id: str, run: Path | None, variant: str | None, world: int
     }
     lines = [f"{name} = {literal(value)}" for name, value in settings.items()]
     lines.append(f"RNG_DEVICES = {'[]' if cell.device == 'cpu' else '[0]'}")
-    # one directory for every rank of a distributed cell: the ranks started by the script inherit it
-    lines.append("WORKDIR = os.environ.setdefault('REPRO_WORKDIR', tempfile.mkdtemp(prefix='repro-'))")
+    # one directory for every rank of a distributed cell: the ranks started by the script inherit it.
+    # The process that made it removes it when it exits (a REPRO_WORKDIR given is kept): every run of
+    # a script left its checkpoints behind in the temporary directory, and each rank an empty one
+    lines.append("WORKDIR_OWNER = None if 'REPRO_WORKDIR' in os.environ else os.getpid()")
+    lines.append("if WORKDIR_OWNER is not None:")
+    lines.append("    os.environ['REPRO_WORKDIR'] = tempfile.mkdtemp(prefix='repro-')")
+    lines.append("WORKDIR = os.environ['REPRO_WORKDIR']")
+    lines.append("atexit.register(lambda: os.getpid() == WORKDIR_OWNER and shutil.rmtree(WORKDIR, ignore_errors=True))")
     lines.append("DECAYED = lambda model: None if DECAYED_NAMES is None else set(DECAYED_NAMES)  # noqa: E731")
     target = settings["TARGET"]
     header = _header(cell, kind, precision, versions, document, target, variant)
@@ -414,11 +420,13 @@ CHECK ...). Exit 1: the matrix's failure shows (the same check or exception, sam
 """
 
 import argparse
+import atexit
 import contextlib
 import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import traceback
