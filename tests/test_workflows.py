@@ -360,8 +360,8 @@ def nox_sessions():
 
 def test_the_cpu_nightly_runs_whole_what_ci_runs_a_slice_of():
     """nightly-cpu.yml runs whole the sessions whose tests the README's test command (.ci/run) runs a
-    slice of: each session of that command that takes a flag for its whole run (`"--all..." in
-    session.posargs`) runs with it every night, and nox -s repro, whose tests the tests session
+    slice of: each session of that command that takes a flag for its whole run (noxfile.py
+    whole_run_flags) runs with one of them every night, and nox -s repro, whose tests the tests session
     slices (tests/test_repro_engines.py MATRIX_REPRO_EVERY_CELL)."""
     caller = load_workflow(WHOLE_WORKFLOW)
     assert set(caller["on"]) == {"schedule", "workflow_dispatch"}
@@ -374,7 +374,14 @@ def test_the_cpu_nightly_runs_whole_what_ci_runs_a_slice_of():
     assert step["run"].strip() == 'python3 -m pip install nox && nox -s "$SESSION" -- $ARGS'
     noxfile = (ROOT / "noxfile.py").read_text()
     (ci_sessions,) = re.findall(r"nox -s ([\w ]+?)\s*$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
-    whole_flags = {name: re.findall(r'"(--all[\w-]*)" in session\.posargs', body) for name, body in nox_sessions()}
+    whole_flags = {
+        name: [
+            flag
+            for call in re.findall(r"whole_run_flags\(session, ([^)]*)\)", body)
+            for flag in ast.literal_eval(f"({call},)")
+        ]
+        for name, body in nox_sessions()
+    }
     sliced = {name: whole_flags[name] for name in ci_sessions.split() if whole_flags[name]}
     assert set(sliced) == {"real", "deepspeed", "compile"}, sliced  # what CI slices today
     for name, flags in sliced.items():
