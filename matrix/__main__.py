@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--stack", default=None, help="the stack they are golden for (default: the run's, else default)")
     write.add_argument("-o", "--output", type=Path, help="default: matrix/golden/curves-<stack>.json")
     args, extra = parser.parse_known_args(argv)
+    extra = without_separator(extra)
     takes_no_more = args.command in ("diff", "merge", "compatibility", "curves", "triage", "entry-releases") and (
         args.command != "curves" or args.curves_command != "run"  # curves run hands the rest to the run
     )
@@ -282,6 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m matrix bisect: {error}", file=sys.stderr)
         return NOTHING_RAN_STATUS if isinstance(error, NothingRan) else 2
     return 0
+
+
+def without_separator(extra: list[str]) -> list[str]:
+    """The arguments a command hands to pytest, without the `--` a user may put before them
+    (`python -m matrix sweep --package X -- --model lora`): argparse keeps it among the unknown
+    arguments, and pytest would take it to end its options and the selection for file names."""
+    if "--" not in extra:
+        return extra
+    at = extra.index("--")
+    return extra[:at] + extra[at + 1 :]
 
 
 def entry_releases(args) -> int:

@@ -384,12 +384,15 @@ def test_a_release_whose_selected_cells_all_skipped_is_named_and_decides_nothing
     assert "No cell changed its state across the 1 releases whose cells ran." not in markdown  # 1.0 -> 1.1 changed
 
 
-def test_a_sweep_whose_selected_cells_all_skip_exits_4_saying_why(tmp_path):
+@pytest.mark.parametrize("separator", [[], ["--"]], ids=["selection", "selection-after-separator"])
+def test_a_sweep_whose_selected_cells_all_skip_exits_4_saying_why(tmp_path, separator):
     """For real, cheaply: the release already installed, swept in this environment (a no-op
-    install), with a selection whose one cell skips on this machine for want of a GPU."""
+    install), with a selection whose one cell skips on this machine for want of a GPU. The
+    selection may follow a `--`, as nox's sessions take it: pytest gets it without the `--`
+    (with it, pytest took the selection for file names and found none)."""
     version = installed("safetensors")
     command = [sys.executable, "-m", "matrix", "sweep", "--package", "safetensors", "--versions", version]
-    command += ["--in-this-environment", "--report-dir", str(tmp_path)]
+    command += ["--in-this-environment", "--report-dir", str(tmp_path), *separator]
     command += ["--model", "tiny-llama", "--precision", "fp32", "--mode", "eval", "--engine", "torch"]
     import torch
 
