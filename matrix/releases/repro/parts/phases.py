@@ -92,7 +92,9 @@ def agreed(work):
     result = error = None
     try:
         result = work()
-    except Exception as exc:  # raised below, once every rank knows
+    except BaseException as exc:  # raised below, once every rank knows
+        if not is_failure(exc):
+            raise
         error = exc
     failed = [None] * WORLD_SIZE
     dist.all_gather_object(failed, None if error is None else f"{type(error).__name__}: {error}")
@@ -403,7 +405,9 @@ def run_phases():
         print("phase", phase.__name__, flush=True)
         try:
             phase(cell)
-        except Exception as exc:  # the cell's failure, or another: named below with its traceback
+        except BaseException as exc:  # the cell's failure, or another: named below with its traceback
+            if not is_failure(exc):
+                raise
             name = exc.name if isinstance(exc, CheckFailed) else type(exc).__name__
             failure = {"phase": phase.__name__, "name": name, "message": message_of(exc)}
             if getattr(exc, "details", ""):
@@ -454,6 +458,13 @@ def launch():
             return {"failure": {"phase": "launch", "name": "RankDied", "message": message}, "checks": []}
     with open(out) as handle:
         return json.load(handle)
+
+
+def is_failure(exc):
+    """Whether an exception is the cell's failure to record, as the matrix decides: any Exception, and
+    any other BaseException but an exit or an interrupt (DCP's CheckpointException is a
+    BaseException: a rank that let it through would die instead of naming it)."""
+    return isinstance(exc, Exception) or not isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
 
 
 def message_of(exc):
