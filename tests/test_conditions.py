@@ -273,6 +273,21 @@ def test_the_4bit_cpu_packing_entries_apply_only_where_bitsandbytes_detects_avx5
         assert not entry.unmet(run_context(), "hardware") and entry.unmet(run_context(hardware=AVX2), "hardware")
 
 
+def test_the_mkl_alignment_entry_is_in_force_only_where_a_run_computed_without_mkls_reproducible_mode():
+    """The cells run with MKL_CBWR=AUTO (matrix/devices/cpu.py REPRODUCIBLE_BLAS), under which MKL rounds
+    misaligned weights as aligned ones: there the entry claims nothing and a pass of its cell is
+    inapplicable. A run with the mode off (MKL_CBWR empty), or recorded before the fact, is in force."""
+    entry = catalogue.load().by_id("cpu-grouped-mm-depends-on-weight-alignment")
+    assert [str(r) for r in entry.when] == ["mkl-reproducible-off"]
+    found, cell = Catalogue([entry]), Cell("hf:zaya", "fp32", "eval", "cpu", "torch")
+    installed = {"torch": "2.13.0", "transformers": "5.24.0"}
+    reproducible = run_context(hardware={**AVX512_BF16, "mkl_cbwr": "AUTO"})
+    assert found.in_force(cell, installed, reproducible) == []
+    assert found.inapplicable(cell, installed, reproducible) == [entry]
+    for off in ({**AVX512_BF16, "mkl_cbwr": ""}, AVX512_BF16):
+        assert found.in_force(cell, installed, run_context(hardware=off)) == [entry]
+
+
 def test_the_afmoe_thaw_entry_claims_every_engine():
     entry = catalogue.load().by_id("from-pretrained-thaws-frozen-parameters")
     for engine in ENGINES:
@@ -336,9 +351,10 @@ def test_every_report_records_the_hardware_facts():
 
     hardware = capture(0)["hardware"]
     keys = ("cpu_capability", "cpu_avx512_bf16", "cpu_amx_tile", "cpu_vnni", "cpu_onednn_fp16")
-    for key in (*keys, "bitsandbytes_cpu_avx512_bf16"):
+    for key in (*keys, "bitsandbytes_cpu_avx512_bf16", "mkl_cbwr"):
         assert key in hardware
     assert hardware["cpu_capability"] == __import__("torch").backends.cpu.get_cpu_capability()
+    assert hardware["mkl_cbwr"] == os.environ.get("MKL_CBWR", "AUTO")  # as the cells and the scripts run
 
 
 # ---------------------------------------------------------------- reports

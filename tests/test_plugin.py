@@ -185,7 +185,7 @@ def test_a_project_of_its_own_runs_its_cells_beside_its_own_tests(pytester, monk
 
 # the variables the matrix's cells run under (matrix/execute/environment_variables.py), and the stack the
 # plugin must not import where no cell runs
-CELL_VARIABLES = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRITON_INTERPRET")
+CELL_VARIABLES = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "MKL_CBWR", "TRITON_INTERPRET")
 STACK = ("torch", "transformers", "peft", "accelerate", "lightning")
 # a project's conftest that notes, for each test's call and at the process's exit, which of the
 # stack is imported and the variables' values
@@ -256,7 +256,7 @@ def test_a_session_that_selects_no_matrix_test_imports_no_torch_and_keeps_its_en
 
 
 def test_a_cells_variables_are_set_while_it_runs_and_put_back_for_the_tests_after_it(pytester, monkeypatch):
-    """One cheap cell between two plain tests of the same session: the offline and interpreter
+    """One cheap cell between two plain tests of the same session: the offline, MKL and interpreter
     variables are set during the cell only; the plain test collected after it sees them unset.
     (torch is not imported here: pytester would unload it after the test, and torch cannot be
     imported twice in one process.)"""
@@ -273,7 +273,12 @@ def test_a_cells_variables_are_set_while_it_runs_and_put_back_for_the_tests_afte
     cell = "test_matrix.py::test_cell[tiny-transformer-fp32-eval-cpu-torch]"
     assert list(observed) == ["test_a_plain.py::test_before", cell, "test_z_plain.py::test_after", "exit"]
     interpreter = None if observed[cell]["gpu"] else "1"
-    during = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRITON_INTERPRET": interpreter}
+    during = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "MKL_CBWR": "AUTO",
+        "TRITON_INTERPRET": interpreter,
+    }
     assert observed[cell]["variables"] == during
     for when in ("test_a_plain.py::test_before", "test_z_plain.py::test_after", "exit"):
         assert observed[when]["variables"] == UNSET, when

@@ -190,6 +190,16 @@ register(
         lambda c: bool(c.hardware.get("bitsandbytes_cpu_avx512_bf16")),
     )
 )
+register(
+    Condition(
+        "mkl-reproducible-off",
+        "the run's MKL computed without its reproducible mode (MKL_CBWR unset or empty: the matrix sets it to "
+        "AUTO, matrix/devices/cpu.py REPRODUCIBLE_BLAS): the same weights may then round differently at another "
+        "memory alignment",
+        "hardware",
+        lambda c: not c.hardware.get("mkl_cbwr"),
+    )
+)
 
 
 def _cuda_capability_at_least(major: int, minor: int) -> Callable[[Context], bool]:

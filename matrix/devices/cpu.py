@@ -24,6 +24,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU's bit-for-bit rules (a reloaded checkpoint's outputs, a resumed step: Device.deterministic_steps)
+# hold only where the same weights run the same arithmetic. torch's CPU builds do their matrix products
+# in Intel MKL, whose kernels may round differently for the same numbers at another memory alignment
+# unless its conditional numerical reproducibility is on (MKL_CBWR). transformers' safetensors loader
+# hands over tensors 8 bytes past a 64-byte boundary where torch allocates them aligned: on an AVX-512
+# CPU (torch 2.13.0+cpu) a reloaded hf:granitemoe's logits for a one-row batch came out one ulp from the
+# saved model's, from the same weights, and its DDP cells failed their reload or resumed step (issue
+# 47). With MKL_CBWR set to AUTO (MKL's best code path for the CPU, made reproducible), aligned and
+# misaligned copies give the same bits; so the cells run under it (matrix/execute/environment_variables.py),
+# and so do the repro scripts. MKL reads it once, at its first call in a process: it is set before the
+# stack computes anything. A value already set is kept.
+REPRODUCIBLE_BLAS = {"MKL_CBWR": "AUTO"}
+
+
+def reproducible_blas_variables() -> dict[str, str]:
+    """The variables under which the CPU's matrix products give the same bits for the same numbers
+    wherever they lie in memory (REPRODUCIBLE_BLAS)."""
+    return dict(REPRODUCIBLE_BLAS)
+
+
 # torch.cpu's probes of the CPU's own features (cpuinfo), whatever torch dispatches on
 CPU_FEATURE_PROBES = {
     "cpu_avx2": "_is_avx2_supported",
@@ -71,10 +91,14 @@ def onednn_fp16() -> bool | None:
 
 def cpu_hardware_facts() -> dict:
     """The CPU capability torch dispatches on (ATEN_CPU_CAPABILITY lowers it), the CPU's own
-    features, oneDNN's float16, and what bitsandbytes detects."""
+    features, oneDNN's float16, what bitsandbytes detects, and MKL's reproducible mode as the cells
+    and the repro scripts compute with it (MKL_CBWR as set, else REPRODUCIBLE_BLAS's; empty: off)."""
+    import os
+
     import torch
 
-    facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    ((name, mode),) = REPRODUCIBLE_BLAS.items()
+    facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get(name, mode)}
     for key, probe in CPU_FEATURE_PROBES.items():
         function = getattr(torch.cpu, probe, None)
         facts[key] = bool(function()) if function is not None else None

@@ -1,7 +1,9 @@
 """The environment variables the matrix's cells run under: the Hub offline (every model is built
 from a config in code, so an accidental download fails loudly instead) and without progress
 bars; where no GPU is visible, Triton's interpreter for Liger's kernels on CPU tensors
-(matrix/devices/cuda.py interpreter_variables); and TORCH_EXTENSIONS_DIR, a directory the run
+(matrix/devices/cuda.py interpreter_variables); MKL's reproducible mode, without which the CPU's
+matrix products may round differently for a tensor at another memory alignment (matrix/devices/cpu.py
+REPRODUCIBLE_BLAS); and TORCH_EXTENSIONS_DIR, a directory the run
 owns for the ops a library compiles on first use, keyed by the torch and DeepSpeed releases
 (matrix/engines/libraries/extension_builds.py), instead of the one per user that every environment shares.
 
@@ -24,10 +26,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 def variables() -> dict[str, str]:
     """Every variable a cell runs under, with its value (asks torch whether a GPU is visible)."""
+    from matrix.devices.cpu import reproducible_blas_variables
     from matrix.devices.cuda import interpreter_variables
     from matrix.engines.libraries import extension_builds
 
-    return {**OFFLINE, **interpreter_variables(), **extension_builds.variables()}
+    return {**OFFLINE, **reproducible_blas_variables(), **interpreter_variables(), **extension_builds.variables()}
 
 
 def apply() -> dict[str, str]:

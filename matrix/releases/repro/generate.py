@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from matrix.devices.cpu import REPRODUCIBLE_BLAS
 from matrix.devices.fingerprint import package_versions
 from matrix.grid.packages import PINNED_IN_REPRO
 from matrix.grid.schedule import FIRST_FORWARD_SEED, MAX_STEP_ATTEMPTS, RESUME_SEED, TRAIN_STEPS, train_steps
@@ -401,9 +402,14 @@ def _header(cell, kind, precision, versions, document, target, variant) -> str:
     variant_line = (
         f"\n\nSettings changed from the matrix grid's (an exploration's finding): {variant}" if variant else ""
     )
-    interpreter = ""
+    # MKL's reproducible mode, as the matrix's cells run (matrix/devices/cpu.py REPRODUCIBLE_BLAS): read at
+    # MKL's first call, so set before torch computes anything
+    interpreter = "".join(
+        f'os.environ.setdefault("{name}", "{value}")  # the same bits wherever a tensor lies in memory\n'
+        for name, value in REPRODUCIBLE_BLAS.items()
+    )
     if cell.model == "liger-llama" and cell.device == "cpu":  # before triton is imported
-        interpreter = 'os.environ.setdefault("TRITON_INTERPRET", "1")  # Liger\'s Triton kernels on CPU tensors\n'
+        interpreter += 'os.environ.setdefault("TRITON_INTERPRET", "1")  # Liger\'s Triton kernels on CPU tensors\n'
     made = "\n".join(fingerprint(document))
     return f'''#!/usr/bin/env python3
 """Standalone reproduction of precision-matrix cell {cell.id}.{seen}
