@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 import platform
 import sys
 from pathlib import Path
@@ -35,13 +36,8 @@ def cpu_name() -> str:
 # misaligned copies give the same bits; so the cells run under it (matrix/execute/environment_variables.py),
 # and so do the repro scripts. MKL reads it once, at its first call in a process: it is set before the
 # stack computes anything. A value already set is kept.
-REPRODUCIBLE_BLAS = {"MKL_CBWR": "AUTO"}
-
-
-def reproducible_blas_variables() -> dict[str, str]:
-    """The variables under which the CPU's matrix products give the same bits for the same numbers
-    wherever they lie in memory (REPRODUCIBLE_BLAS)."""
-    return dict(REPRODUCIBLE_BLAS)
+MKL_MODE = "MKL_CBWR"
+REPRODUCIBLE_BLAS = {MKL_MODE: "AUTO"}
 
 
 # torch.cpu's probes of the CPU's own features (cpuinfo), whatever torch dispatches on
@@ -93,12 +89,10 @@ def cpu_hardware_facts() -> dict:
     """The CPU capability torch dispatches on (ATEN_CPU_CAPABILITY lowers it), the CPU's own
     features, oneDNN's float16, what bitsandbytes detects, and MKL's reproducible mode as the cells
     and the repro scripts compute with it (MKL_CBWR as set, else REPRODUCIBLE_BLAS's; empty: off)."""
-    import os
-
     import torch
 
-    ((name, mode),) = REPRODUCIBLE_BLAS.items()
-    facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get(name, mode)}
+    mode = os.environ.get(MKL_MODE, REPRODUCIBLE_BLAS[MKL_MODE])
+    facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": mode}
     for key, probe in CPU_FEATURE_PROBES.items():
         function = getattr(torch.cpu, probe, None)
         facts[key] = bool(function()) if function is not None else None

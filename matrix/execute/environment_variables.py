@@ -26,11 +26,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 def variables() -> dict[str, str]:
     """Every variable a cell runs under, with its value (asks torch whether a GPU is visible)."""
-    from matrix.devices.cpu import reproducible_blas_variables
+    from matrix.devices.cpu import REPRODUCIBLE_BLAS
     from matrix.devices.cuda import interpreter_variables
     from matrix.engines.libraries import extension_builds
 
-    return {**OFFLINE, **reproducible_blas_variables(), **interpreter_variables(), **extension_builds.variables()}
+    return {**OFFLINE, **REPRODUCIBLE_BLAS, **interpreter_variables(), **extension_builds.variables()}
 
 
 def apply() -> dict[str, str]:
