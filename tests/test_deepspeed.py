@@ -294,6 +294,43 @@ def test_the_dropout_off_comparison_goes_through_the_trainers_own_loss(user_gpt2
     assert ratio == pytest.approx(targets / 38, rel=1e-5)  # 38: every label, position 0 of each row counted
 
 
+@pytest.fixture(scope="module")
+def qlora_zero3(matrix_cpu, tmp_path_factory):
+    """qlora's nf4 evaluation on ZeRO-3: an evaluation of the 4-bit base, then DeepSpeed's save."""
+    report_dir = tmp_path_factory.mktemp("qlora-zero3")
+    selection = ("--model", "qlora", "--precision", "nf4-bf16-mixed", "--mode", "eval", "--engine", "deepspeed-zero3")
+    _, cells = matrix_cpu(report_dir, *selection)
+    return report_dir / "run", cells["qlora-nf4-bf16-mixed-eval-cpu-deepspeed-zero3"]
+
+
+@needs_deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="Requires: [bitsandbytes]")
+def test_a_quantized_zero3_cells_script_fails_where_and_as_the_cell_did(qlora_zero3, tmp_path):
+    """The script's checks read a quantized base's weights as the harness does (ds.plain_copy), not
+    through state_dict(): on a CPU where bitsandbytes packs 4-bit weights for inference
+    (AVX512-BF16), a 4-bit layer's state_dict() undoes the packing, so a script that read the
+    weights that way after its evaluation saved a base the cell never saved, got past the
+    cell's failure in checkpoint_save (bnb-cpu-packed-4bit-state-dict-under-zero3) and failed in
+    checkpoint_reload instead. Where bitsandbytes packs nothing the two agree either way."""
+    from matrix.releases.repro.generate import generate
+
+    run_dir, cell = qlora_zero3
+    script = tmp_path / "repro.py"
+    script.write_text(generate(cell["id"], run_dir))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this project importable
+    done = subprocess.run(
+        [sys.executable, str(script), "--json", str(tmp_path / "out.json")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+    )  # fmt: skip
+    outcome = json.loads((tmp_path / "out.json").read_text())
+    if cell["outcome"] == "passed":
+        assert done.returncode == 0 and outcome["failure"] is None, done.stdout[-3000:]
+        return
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    name = cell["signature"]["exception"].rsplit(".", 1)[-1]
+    assert (outcome["phase"], outcome["failure"]["name"]) == (cell["phase"], name), done.stdout[-3000:]
+
+
 CLIPPING_OF_A_SCRIPT = """
 import json, runpy, sys
 import deepspeed.runtime.constants as constants

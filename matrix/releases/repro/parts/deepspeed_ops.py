@@ -53,3 +53,27 @@ def full_master_weights(engine):
             full = grouped.get(id(parameter), parameter) if full is None else full
             found[name] = full.detach().clone()
     return found
+
+
+def gathered_module(engine):
+    """Every parameter of the engine's module whole on every rank (ZeRO-3 partitions them), for reading."""
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def plain_copy(engine, into=None):
+    """A plain model of the kind holding the engine's module weights in their dtypes (ZeRO-3: gathered).
+    Over a quantized base, a base quantized alike holding the module's floating tensors, read without
+    state_dict(): a 4-bit layer's state_dict() undoes a CPU inference's packing, and a check must not
+    change what the save then writes (parts/quantized.py). `into`: an earlier copy, filled again."""
+    if CELL["quantization"] is not None:
+        plain = build(CELL)
+        with gathered_module(engine):
+            copy_float_weights(engine.module, plain, source_dtypes=True)
+        return plain
+    with gathered_module(engine):
+        held = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return model_holding(held, into)

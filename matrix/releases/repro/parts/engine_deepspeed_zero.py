@@ -103,13 +103,6 @@ class DeepSpeedZero(RankEngine):
     def named_master_weights(self, run):
         return full_master_weights(run["engine"])
 
-    def gathered(self, engine):
-        if engine.zero_optimization_stage() == 3:
-            import deepspeed
-
-            return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
-        return contextlib.nullcontext()
-
     def check_declared(self, run, when):
         """With bf16 or fp16 enabled, DeepSpeed holds the module's trained parameters in that dtype
         and fp32 master weights in its optimizer (without: the precision's dtypes, as built)."""
@@ -173,10 +166,7 @@ class DeepSpeedZero(RankEngine):
         """A plain model of the kind holding the module's weights in their dtypes (ZeRO-3: gathered
         on every rank), made once per step."""
         if run["plain"] is None or run["plain_at"] != run["steps"]:
-            engine = run["engine"]
-            with self.gathered(engine):
-                held = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-            run["plain"], run["plain_at"] = model_holding(held, run["plain"]), run["steps"]
+            run["plain"], run["plain_at"] = plain_copy(run["engine"], run["plain"]), run["steps"]
         return run["plain"]
 
     def exported(self, run):

@@ -322,20 +322,10 @@ class TrainerOnDeepSpeed(RankEngine):
         with torch.random.fork_rng(devices=RNG_DEVICES):
             return evaluate_rows(self.engine(run).module, with_autocast=False)
 
-    def gathered(self, engine):
-        if engine.zero_optimization_stage() == 3:
-            import deepspeed
-
-            return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
-        return contextlib.nullcontext()
-
     def live_weights(self, run):
         if not self.prepared(run):
             return run["trainer"].model  # before train(): the model as built
-        engine = self.engine(run)
-        with self.gathered(engine):
-            held = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-        return model_holding(held)
+        return plain_copy(self.engine(run))
 
     def partitions(self, engine):
         flat = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)

@@ -118,17 +118,21 @@ def float_tensors(model):
     return {name: tensor for name, tensor in found.items() if tensor.is_floating_point()}
 
 
-def copy_float_weights(source, target, trainable_only=False):
+def copy_float_weights(source, target, trainable_only=False, source_dtypes=False):
     """`source`'s floating tensors (the adapters, norms, embeddings; or its trainable ones) into
     `target` where it has them under the same name and shape; the quantized weights stay as
-    `target` has them. Returns the trainable names that found no place."""
+    `target` has them. In `target`'s dtypes, or with `source_dtypes` in `source`'s (what a library
+    holds, which may have cast it). Returns the trainable names that found no place."""
     theirs = float_tensors(target)
     trainable = {n for n, p in source.named_parameters() if p.requires_grad}
     copied = []
     with torch.no_grad():
         for name, tensor in float_tensors(source).items():
             if name in theirs and tensor.shape == theirs[name].shape and (name in trainable or not trainable_only):
-                theirs[name].copy_(tensor)
+                if source_dtypes and tensor.dtype != theirs[name].dtype:
+                    theirs[name].data = tensor.detach().to(theirs[name].device, copy=True)
+                else:
+                    theirs[name].copy_(tensor)
                 copied.append(name)
     return sorted(trainable - set(copied))
 
