@@ -139,6 +139,9 @@ def test_the_rule_that_fits_best_is_chosen_not_the_first_that_fits():
         ("hf:mbart", "no-split-module-absent"),  # MBartEncoderLayer, named by its family's list
         ("hf:roc_bert", "tied-output-bias"),  # cls.predictions.decoder.bias is cls.predictions.bias
         ("hf:deepseek_v2", "fp32-parameters-in-half-loads"),  # the router's gate.weight, kept fp32
+        # created in fp32 by the class's __init__, which from_pretrained keeps: no declaration names them
+        ("hf:hunyuan_v1_moe", "fp32-parameters-in-half-loads"),  # the router's gate.wg.weight
+        ("hf:olmo_hybrid", "fp32-parameters-in-half-loads"),  # the linear attention's A_log
     ],
 )
 def test_the_mechanisms_the_sweep_found_are_observed_traits(model, trait):

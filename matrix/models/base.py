@@ -76,8 +76,9 @@ TRAITS: dict[str, str] = {
         "its input embeddings sit inside a module its _no_split_modules lists (BERT: BertEmbeddings)"
     ),
     "fp32-parameters-in-half-loads": (
-        "its class keeps some trainable parameters in fp32 when loaded in bf16 or fp16 "
-        "(_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight)"
+        "its class keeps some trainable parameters in fp32 when loaded in bf16 or fp16: declared "
+        "(_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight) or created so by its __init__, "
+        "whose created dtype the loader keeps (HunYuan MoE's router gate.wg.weight, OLMo hybrid's A_log)"
     ),
     "ignores-num-items-in-batch": (
         "its transformers forward takes **kwargs, so the Trainer passes num_items_in_batch and scales its "

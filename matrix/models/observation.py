@@ -21,7 +21,8 @@ on the CPU in fp32:
 - whether the output embeddings' bias is the same parameter as another module's (`tied-output-bias`:
   BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias);
 - the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-half-loads`:
-  DeepseekV2's router gate.weight), which leave a layer holding two dtypes;
+  DeepseekV2's router gate.weight, declared; HunYuan MoE's router, created in fp32 by its __init__),
+  which leave a layer holding two dtypes;
 - a transformers class whose forward takes **kwargs but whose loss ignores num_items_in_batch
   (`ignores-num-items-in-batch`: MBartForCausalLM), which the Trainer scales for all the same;
   and one whose loss divides by the num_items_in_batch it is given while it averages over
@@ -293,13 +294,18 @@ def _tied_output_bias(model: nn.Module) -> tuple[str, ...]:
 
 
 def _fp32_in_half_loads(model: nn.Module) -> tuple[str, ...]:
-    """The trainable parameters the class declares fp32 for a bf16 or fp16 from_pretrained."""
-    from matrix.models.declared_dtypes import covered, fp32_patterns
+    """The trainable parameters a bf16 or fp16 from_pretrained leaves in fp32: those the class
+    declares (_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight) and those its
+    __init__ creates in fp32 whatever the dtype, whose created dtype the loader keeps (HunYuan MoE's
+    router gate.wg.weight, OLMo hybrid's A_log, XLNet's attention weights)."""
+    from matrix.models.declared_dtypes import HALF, created_fp32, fp32_patterns, fp32_reason
 
-    patterns = fp32_patterns(model, torch.bfloat16) + fp32_patterns(model, torch.float16)
-    if not patterns:
-        return ()
-    return tuple(n for n, p in model.named_parameters() if p.requires_grad and covered(n, patterns))
+    kept = set()
+    for dtype in HALF:
+        patterns, created = fp32_patterns(model, dtype), created_fp32(model, dtype)
+        if patterns or created:
+            kept |= {n for n, p in model.named_parameters() if p.requires_grad and fp32_reason(n, patterns, created)}
+    return tuple(n for n, _ in model.named_parameters() if n in kept)
 
 
 def _unmapped_loss_type(model: nn.Module) -> str | None:
