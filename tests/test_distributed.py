@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import python_path
 from matrix.execute import rank_pool, run_cell
@@ -116,6 +117,23 @@ def test_a_sharded_run_agrees_with_the_torch_engine_and_splits_the_batch(engine,
     assert len(ranks) == 2 and ranks[0] != ranks[1]  # each rank saw other rows
     assert cross.spread_abs <= 1e-5
     assert result.metrics.distributed.backend == "gloo"
+
+
+def test_ranks_whose_rows_stop_generating_at_different_steps_join_as_one_generate_does(tmp_path):
+    """generate() stops once every row it holds has produced the end-of-sequence token and fills a
+    finished row with the pad token. hf:gpt_oss's two ranks stop at different steps, so their outputs
+    differ in length: the harness joined them with a plain cat and failed every DDP and accelerate-FSDP2
+    evaluation of such a model in evaluate_rows (the hf:* run's sig-361aa656: 49 cells of five
+    architectures). Joined as one generate() over the whole batch pads them, the fp32 evaluation's
+    tokens are those of the fp32 reference generated in one process."""
+    from matrix.harness.measurements import joined_generations
+    from matrix.selection.cells import parse_selection
+
+    assert joined_generations([torch.tensor([[5, 6, 7]]), torch.tensor([[5, 2]])]).tolist() == [[5, 6, 7], [5, 2, 0]]
+    parse_selection("model", "hf:gpt_oss")  # made on demand, as --model hf:gpt_oss makes it
+    result = run_cell(Cell("hf:gpt_oss", "fp32", "eval", "cpu", "ddp"), tmp_path, timeout_s=300)
+    assert result.outcome == "passed", result.traceback
+    assert result.metrics.generation_matches_fp32 is True
 
 
 def test_the_ranks_compare_with_the_reference_curve_their_driver_measured(tmp_path):

@@ -20,7 +20,7 @@ from matrix.checks import assertions as checks
 from matrix.grid.schedule import FIRST_FORWARD_SEED, forward_seed, train_steps
 from matrix.harness.cell_state import CellState
 from matrix.harness.compiling import plain
-from matrix.models.base import EvalOutput
+from matrix.models.base import PAD_TOKEN_ID, EvalOutput
 from matrix.models.observation import observe
 from matrix.precisions.policies import PRECISIONS, dtype_name
 from matrix.results.metrics import UNSET, Effective
@@ -222,13 +222,21 @@ def evaluate_rows(state: CellState, model, autocast: bool = True) -> EvalOutput:
     every = group.gather(mine)
     total = sum(part["items"] for part in every)
     loss = sum(part["loss"] * part["items"] for part in every) / total
-    generated = None if mine["generated"] is None else torch.cat([p["generated"] for p in every]).to(state.device)
+    generated = None if mine["generated"] is None else joined_generations([p["generated"] for p in every])
     return EvalOutput(
         loss=torch.tensor(loss),
         logits=torch.cat([p["logits"] for p in every]).to(state.device),
-        generated=generated,
+        generated=None if generated is None else generated.to(state.device),
         extras=mine["extras"],
     )
+
+
+def joined_generations(parts: list[torch.Tensor], pad: int = PAD_TOKEN_ID) -> torch.Tensor:
+    """The ranks' generate() outputs as one generate() over the whole batch gives them: it runs until
+    every row has finished and fills a finished row with the pad token, so a rank whose rows all
+    stopped early (at the end-of-sequence token) holds a shorter output, padded here to the longest."""
+    longest = max(part.shape[-1] for part in parts)
+    return torch.cat([torch.nn.functional.pad(part, (0, longest - part.shape[-1]), value=pad) for part in parts])
 
 
 def fp32_reference_model(state: CellState, model):
