@@ -142,6 +142,7 @@ def test_the_rule_that_fits_best_is_chosen_not_the_first_that_fits():
         # created in fp32 by the class's __init__, which from_pretrained keeps: no declaration names them
         ("hf:hunyuan_v1_moe", "fp32-parameters-in-half-loads"),  # the router's gate.wg.weight
         ("hf:olmo_hybrid", "fp32-parameters-in-half-loads"),  # the linear attention's A_log
+        ("hf:zamba", "parameters-tied-across-layers"),  # every hybrid layer's shared_transf, tied to the first's
     ],
 )
 def test_the_mechanisms_the_sweep_found_are_observed_traits(model, trait):

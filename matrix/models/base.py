@@ -94,6 +94,11 @@ TRAITS: dict[str, str] = {
         "(XLM's feed-forward activation is transformers' module-level gelu): a library that registers a model's "
         "modules (DeepSpeed ZeRO-3) registers them again for a second model"
     ),
+    "parameters-tied-across-layers": (
+        "two entries of one of its ModuleLists (its layer stack) hold the same parameter (Zamba's shared "
+        "transformer block, tied into every hybrid layer): a wrapper that shards each layer on its own "
+        "meets one tensor in two groups"
+    ),
     "tied-output-bias": (
         "its output embeddings' bias is the same parameter as another module's (BERT-style heads: "
         "cls.predictions.decoder.bias is cls.predictions.bias)"

@@ -19,7 +19,8 @@ on the CPU in fp32:
   (`embeddings-in-no-split-module`); and the classes `_no_split_modules` names of which the model
   holds none (`no-split-module-absent`), which an auto-wrap policy built from the list looks for;
 - whether the output embeddings' bias is the same parameter as another module's (`tied-output-bias`:
-  BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias);
+  BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias), and whether two layers of
+  its layer stack hold one parameter (`parameters-tied-across-layers`: Zamba's shared transformer block);
 - the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-half-loads`:
   DeepseekV2's router gate.weight, declared; HunYuan MoE's router, created in fp32 by its __init__),
   which leave a layer holding two dtypes;
@@ -108,6 +109,10 @@ class Observation:
     # activation: transformers' module-level `gelu`): a library that registers a model's modules
     # (DeepSpeed ZeRO-3's ds_id and hooks) registers them again for a second model in the process
     shared_across_instances: tuple[str, ...] = ()
+    # parameters that different entries of one ModuleList (the layer stack) hold as the same tensor
+    # (Zamba's shared transformer block, tied into every hybrid layer): a wrapper that shards each
+    # layer on its own finds one tensor in two of its groups
+    tied_across_layers: tuple[str, ...] = ()
     # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
     # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
     unsaved_float_buffers: tuple[str, ...] = ()
@@ -179,6 +184,8 @@ class Observation:
             found.add("saved-in-another-layout")
         if self.shared_across_instances:
             found.add("module-shared-across-instances")
+        if self.tied_across_layers:
+            found.add("parameters-tied-across-layers")
         return frozenset(found)
 
     def count(self, batch: dict) -> int:
@@ -209,6 +216,7 @@ class Observation:
             "unsaved_float_buffers": list(self.unsaved_float_buffers),
             "saved_in_another_layout": list(self.saved_in_another_layout),
             "shared_across_instances": list(self.shared_across_instances),
+            "tied_across_layers": list(self.tied_across_layers[:5]),
             "reloaded_by_library": self.reloaded_by_library,
             "gradless_parameters": list(self.gradless_parameters),
             "unused_parameters": len(self.unused_parameters),
@@ -343,6 +351,24 @@ def _num_items_effect(model: nn.Module, batch: dict) -> tuple[str, bool] | None:
     finally:
         model.train(was_training)
     return None if plain is None else (type(target).__name__, torch.equal(plain, given))
+
+
+def _tied_across_layers(model: nn.Module) -> tuple[str, ...]:
+    """The second name of each parameter that two different entries of one ModuleList hold as the
+    same tensor (Zamba's shared_transf, in every hybrid layer). A tie within one entry, or between
+    the embeddings and the output layer, is not one."""
+    stacks = [name for name, module in model.named_modules() if isinstance(module, nn.ModuleList)]
+    names_of: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(parameter), []).append(name)
+    found = []
+    for names in names_of.values():
+        for stack in stacks if len(names) > 1 else ():
+            entries = {n[len(stack) + 1 :].split(".", 1)[0] for n in names if n.startswith(stack + ".")}
+            if len(entries) > 1:
+                found.append(names[1])
+                break
+    return tuple(found)
 
 
 def _shared_across_instances(model: nn.Module, other: nn.Module) -> tuple[str, ...]:
@@ -544,6 +570,7 @@ def _observe(kind) -> Observation:
                 unsaved_float_buffers=_loaded_otherwise(kind, workdir, _unsaved_float_buffers(model)),
                 saved_in_another_layout=_saved_in_another_layout(kind, model, workdir),
                 shared_across_instances=_shared_across_instances(model, loaded),
+                tied_across_layers=_tied_across_layers(model),
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
                 unused_parameters=unused,
