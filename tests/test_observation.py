@@ -152,6 +152,18 @@ def test_the_mechanisms_the_sweep_found_are_observed_traits(model, trait):
     assert trait not in observe(MODELS["tiny-llama"]).traits
 
 
+def test_fp32_kept_in_one_load_dtype_only_is_observed_for_that_dtype():
+    """GPT-OSS keeps its norms fp32 in fp16 loads only (_keep_in_fp32_modules), DeepseekV2 its router
+    in both (_keep_in_fp32_modules_strict): fsdp2-layer-needs-one-parameter-dtype claims GPT-OSS's
+    fp16-loaded cells by the dtype's own trait, not its bf16-loaded ones, which pass."""
+    from matrix.selection.cells import parse_selection
+
+    parse_selection("model", "hf:gpt_oss")  # made on demand, as --model hf:gpt_oss makes it
+    gpt_oss, deepseek = observe(MODELS["hf:gpt_oss"]).traits, observe(MODELS["hf:deepseek_v2"]).traits
+    assert "fp32-parameters-in-fp16-loads" in gpt_oss and "fp32-parameters-in-bf16-loads" not in gpt_oss
+    assert {"fp32-parameters-in-fp16-loads", "fp32-parameters-in-bf16-loads"} <= deepseek
+
+
 @pytest.mark.parametrize(
     ("model", "has_it"),
     [

@@ -75,6 +75,14 @@ TRAITS: dict[str, str] = {
     "embeddings-in-no-split-module": (
         "its input embeddings sit inside a module its _no_split_modules lists (BERT: BertEmbeddings)"
     ),
+    "fp32-parameters-in-bf16-loads": (
+        "a bf16 from_pretrained leaves some of its trainable parameters in fp32 (fp32-parameters-in-half-loads, "
+        "for that dtype: _keep_in_fp32_modules_strict, or created so by its __init__)"
+    ),
+    "fp32-parameters-in-fp16-loads": (
+        "an fp16 from_pretrained leaves some of its trainable parameters in fp32 (fp32-parameters-in-half-loads, "
+        "for that dtype: _keep_in_fp32_modules too, GPT-OSS's norms)"
+    ),
     "fp32-parameters-in-half-loads": (
         "its class keeps some trainable parameters in fp32 when loaded in bf16 or fp16: declared "
         "(_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight) or created so by its __init__, "

@@ -21,9 +21,9 @@ on the CPU in fp32:
 - whether the output embeddings' bias is the same parameter as another module's (`tied-output-bias`:
   BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias), and whether two layers of
   its layer stack hold one parameter (`parameters-tied-across-layers`: Zamba's shared transformer block);
-- the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-half-loads`:
-  DeepseekV2's router gate.weight, declared; HunYuan MoE's router, created in fp32 by its __init__),
-  which leave a layer holding two dtypes;
+- the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-bf16-loads`,
+  `fp32-parameters-in-fp16-loads`, either: `fp32-parameters-in-half-loads`; DeepseekV2's router gate.weight,
+  declared; HunYuan MoE's router, created in fp32 by its __init__), which leave a layer holding two dtypes;
 - a transformers class whose forward takes **kwargs but whose loss ignores num_items_in_batch
   (`ignores-num-items-in-batch`: MBartForCausalLM), which the Trainer scales for all the same;
   and one whose loss divides by the num_items_in_batch it is given while it averages over
@@ -95,7 +95,8 @@ class Observation:
     tied_output_bias: tuple[str, ...] = ()
     # trainable parameters the class keeps in fp32 when from_pretrained loads it in bf16 or fp16
     # (_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight), next to half ones
-    fp32_in_half_loads: tuple[str, ...] = ()
+    fp32_in_bf16_loads: tuple[str, ...] = ()
+    fp32_in_fp16_loads: tuple[str, ...] = ()  # _keep_in_fp32_modules holds for fp16 loads only
     # the transformers class whose forward takes **kwargs, so the Trainer hands it num_items_in_batch
     # and scales its loss for it, but whose loss does not change with it (MBartForCausalLM's own
     # CrossEntropyLoss): under data parallelism the Trainer multiplies a mean by the world size
@@ -142,6 +143,11 @@ class Observation:
     error: str | None = None  # observation itself failed: the message, and traits are declared only
 
     @property
+    def fp32_in_half_loads(self) -> tuple[str, ...]:
+        """The trainable parameters a bf16 or an fp16 load leaves in fp32."""
+        return tuple(dict.fromkeys(self.fp32_in_bf16_loads + self.fp32_in_fp16_loads))
+
+    @property
     def traits(self) -> frozenset[str]:
         found = set()
         if self.trainable_parameters and 2 * self.trainable_parameters >= self.parameters:
@@ -170,6 +176,10 @@ class Observation:
             found.add("no-split-module-absent")
         if self.tied_output_bias:
             found.add("tied-output-bias")
+        if self.fp32_in_bf16_loads:
+            found.add("fp32-parameters-in-bf16-loads")
+        if self.fp32_in_fp16_loads:
+            found.add("fp32-parameters-in-fp16-loads")
         if self.fp32_in_half_loads:
             found.add("fp32-parameters-in-half-loads")
         if self.ignores_num_items:
@@ -209,6 +219,8 @@ class Observation:
             "no_split_modules_absent": list(self.no_split_modules_absent),
             "tied_output_bias": list(self.tied_output_bias),
             "fp32_in_half_loads": len(self.fp32_in_half_loads),
+            "fp32_in_bf16_loads": len(self.fp32_in_bf16_loads),
+            "fp32_in_fp16_loads": len(self.fp32_in_fp16_loads),
             "ignores_num_items": self.ignores_num_items,
             "takes_num_items": self.takes_num_items,
             "fp32_in_half_loads_first": list(self.fp32_in_half_loads[:5]),
@@ -301,19 +313,18 @@ def _tied_output_bias(model: nn.Module) -> tuple[str, ...]:
     return names if len(names) > 1 else ()
 
 
-def _fp32_in_half_loads(model: nn.Module) -> tuple[str, ...]:
-    """The trainable parameters a bf16 or fp16 from_pretrained leaves in fp32: those the class
-    declares (_keep_in_fp32_modules(_strict): DeepseekV2's router gate.weight) and those its
-    __init__ creates in fp32 whatever the dtype, whose created dtype the loader keeps (HunYuan MoE's
-    router gate.wg.weight, OLMo hybrid's A_log, XLNet's attention weights)."""
-    from matrix.models.declared_dtypes import HALF, created_fp32, fp32_patterns, fp32_reason
+def _fp32_in_half_loads(model: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """The trainable parameters a from_pretrained in `dtype` (bf16 or fp16) leaves in fp32: those the
+    class declares (_keep_in_fp32_modules_strict for both, _keep_in_fp32_modules for fp16 only:
+    DeepseekV2's router gate.weight, GPT-OSS's norms in fp16) and those its __init__ creates in fp32
+    whatever the dtype, whose created dtype the loader keeps (HunYuan MoE's router gate.wg.weight,
+    OLMo hybrid's A_log, XLNet's attention weights)."""
+    from matrix.models.declared_dtypes import created_fp32, fp32_patterns, fp32_reason
 
-    kept = set()
-    for dtype in HALF:
-        patterns, created = fp32_patterns(model, dtype), created_fp32(model, dtype)
-        if patterns or created:
-            kept |= {n for n, p in model.named_parameters() if p.requires_grad and fp32_reason(n, patterns, created)}
-    return tuple(n for n, _ in model.named_parameters() if n in kept)
+    patterns, created = fp32_patterns(model, dtype), created_fp32(model, dtype)
+    if not (patterns or created):
+        return ()
+    return tuple(n for n, p in model.named_parameters() if p.requires_grad and fp32_reason(n, patterns, created))
 
 
 def _unmapped_loss_type(model: nn.Module) -> str | None:
@@ -563,7 +574,8 @@ def _observe(kind) -> Observation:
                 embeddings_in_no_split_module=_no_split_module_around_embeddings(model),
                 no_split_modules_absent=_no_split_modules_absent(model),
                 tied_output_bias=_tied_output_bias(model),
-                fp32_in_half_loads=_fp32_in_half_loads(model),
+                fp32_in_bf16_loads=_fp32_in_half_loads(model, torch.bfloat16),
+                fp32_in_fp16_loads=_fp32_in_half_loads(model, torch.float16),
                 unmapped_loss_type=_unmapped_loss_type(model),
                 ignores_num_items=num_items[0] if num_items and num_items[1] else None,
                 takes_num_items=num_items[0] if num_items and not num_items[1] else None,
