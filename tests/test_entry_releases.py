@@ -146,12 +146,12 @@ def test_a_failure_another_entry_explains_on_that_release_names_it():
 
 
 def test_a_masking_entrys_hardware_condition_is_read_for_the_machine_the_row_ran_on():
-    """bnb-cpu-4bit-save-after-inference-rounds-absmax's script fails first with the nf4 inference bug,
-    which bitsandbytes has only where it detects AVX512-BF16 (bnb-cpu-4bit-inference-needs-whole-blocks):
-    the row run on such a machine names it, whatever machine the page is rewritten on; a machine without
-    it would not."""
+    """bnb-linear4bit-state-dict-does-not-load-back's script (lora, whose layers are 32 wide) fails first
+    with the nf4 inference bug, which bitsandbytes has only where it detects AVX512-BF16
+    (bnb-cpu-4bit-inference-needs-whole-blocks): the row run on such a machine names it, whatever machine
+    the page is rewritten on; a machine without it would not."""
     entries = load().entries
-    entry = next(e for e in entries if e.id == "bnb-cpu-4bit-save-after-inference-rounds-absmax")
+    entry = next(e for e in entries if e.id == "bnb-linear4bit-state-dict-does-not-load-back")
     (row,) = [r for r in _page_rows() if r["entry"] == entry.id and r["release"] == "0.50.2"]
     assert row["verdict"] == "another bug first" and "AVX512" in row["machine"] and row.get("hardware") is None
     versions = {"bitsandbytes": "0.50.2", "torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"}
