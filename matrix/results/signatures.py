@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from matrix.grid.packages import ORIGIN_MODULES
@@ -20,7 +21,14 @@ from matrix.results.module_moves import signature_name
 
 MAX_MESSAGE_CHARS = 300
 
-_NORMALIZERS: tuple[tuple[re.Pattern, str], ...] = tuple(
+
+def _sorted_set(match: re.Match) -> str:
+    """A set as Python prints it, in its elements' order: {torch.float32, torch.float16} iterates in the
+    order of the dtypes' hashes, which differs from one process to the next."""
+    return "{" + ", ".join(sorted(item.strip() for item in match.group(1).split(","))) + "}"
+
+
+_NORMALIZERS: tuple[tuple[re.Pattern, str | Callable[[re.Match], str]], ...] = tuple(
     (re.compile(pattern), replacement)
     for pattern, replacement in (
         (r"\b0x[0-9a-fA-F]+\b", "<addr>"),  # object addresses
@@ -33,6 +41,7 @@ _NORMALIZERS: tuple[tuple[re.Pattern, str], ...] = tuple(
         (r"\b\d+(?:x\d+)+\b", "<shape>"),  # 16x32
         (r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?(?![\w.])", "<n>"),  # numbers
         (r"\bid[= ]<n>", "id=<n>"),
+        (r"\{([^{}:'\"]+,[^{}:'\"]+)\}", _sorted_set),  # a set's elements, whatever their order
         (r"\s+", " "),
     )
 )
