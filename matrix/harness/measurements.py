@@ -222,11 +222,13 @@ def evaluate_rows(state: CellState, model, autocast: bool = True) -> EvalOutput:
     every = group.gather(mine)
     total = sum(part["items"] for part in every)
     loss = sum(part["loss"] * part["items"] for part in every) / total
-    generated = None if mine["generated"] is None else joined_generations([p["generated"] for p in every])
+    generated = (
+        None if mine["generated"] is None else joined_generations([p["generated"] for p in every]).to(state.device)
+    )
     return EvalOutput(
         loss=torch.tensor(loss),
         logits=torch.cat([p["logits"] for p in every]).to(state.device),
-        generated=None if generated is None else generated.to(state.device),
+        generated=generated,
         extras=mine["extras"],
     )
 
