@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from matrix.models import MODELS, observation
 from matrix.models.observation import effective_traits, observe
@@ -150,6 +151,26 @@ def test_the_mechanisms_the_sweep_found_are_observed_traits(model, trait):
     fact of the model, observed, so that the next architecture with it is known, not new."""
     assert trait in observe(MODELS[model]).traits
     assert trait not in observe(MODELS["tiny-llama"]).traits
+
+
+class _WeightSharingStack(nn.Module):
+    """Weight sharing as a user writes it: one block placed twice in the layer stack (ALBERT-style),
+    and the output layer tied to the embeddings."""
+
+    def __init__(self, shared: bool = True):
+        super().__init__()
+        block = nn.Linear(4, 4)
+        self.embed = nn.Embedding(8, 4)
+        self.layers = nn.ModuleList([block, block if shared else nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_one_block_in_two_places_of_a_users_layer_stack_is_tied_across_layers():
+    """parameters-tied-across-layers on a model no transformers class wrote: the block held twice is
+    found under its second place; the embeddings tied to the output layer are not a tie across layers."""
+    assert observation._tied_across_layers(_WeightSharingStack()) == ("layers.1.weight", "layers.1.bias")
+    assert observation._tied_across_layers(_WeightSharingStack(shared=False)) == ()
 
 
 def test_fp32_kept_in_one_load_dtype_only_is_observed_for_that_dtype():
