@@ -189,6 +189,7 @@ DEEPSPEED_WHOLE_TESTS = (
     "tests/test_deepspeed_builds.py",  # DeepSpeed's CPU op built from nothing, its locks
     "tests/test_repro_engines.py::test_deepspeed_script_reproduces_the_catalogued_failure",
     "tests/test_repro_engines.py::test_deepspeed_script_of_a_passing_cell_holds_with_the_records_numbers",
+    "tests/test_repro_engines.py::test_deepspeed_script_names_the_phase_a_rank_died_in",
 )
 
 

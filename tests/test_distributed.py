@@ -86,6 +86,23 @@ def test_a_rank_that_dies_is_named_with_its_signal_and_the_group_rebuilt(group):
     assert group.starts == starts + 1
 
 
+def test_a_rank_aborted_by_a_collective_mismatch_is_named_with_the_mismatch(group):
+    """A rank that the C++ runtime aborts (an uncaught exception in gloo's transport: ranks that
+    disagree on a gather's size, as ZeRO-3's do when they fetch different modules) prints what
+    was thrown before faulthandler's report; the message carries both."""
+    starts = live_starts(group)
+    with pytest.raises(rank_pool.RankDied) as raised:
+        group.call("rank_calls:mismatched_gather", timeout_s=120)
+    message = str(raised.value)
+    assert "died (killed by SIGABRT)" in message, message
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in message, message
+    assert "Received data size doesn't match expected size" in message, message
+    assert "Fatal Python error: Aborted" in message, message
+    assert raised.value.remote_signature.text.endswith("rank died: rank <n> died (killed by SIGABRT) @ <rank process>")
+    assert [r["sum"] for r in group.call("rank_calls:rank_and_sum", timeout_s=120)] == [1.0, 1.0]
+    assert group.starts == starts + 1
+
+
 def test_a_call_past_its_timeout_kills_every_rank(group):
     starts = live_starts(group)
     pids = [rank.process.pid for rank in group.ranks]

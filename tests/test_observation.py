@@ -229,3 +229,54 @@ def test_a_submodule_every_instance_of_the_kind_shares_is_observed():
     assert found.as_dict()["shared_across_instances"] == ["transformer.ffns.0.act"]
     for name in ("tiny-llama", "tiny-transformer", "lora"):
         assert observe(MODELS[name]).shared_across_instances == (), name
+
+
+class _TokenRoutedExpert(nn.Module):
+    """A mixture of experts as a user may write one: the expert runs once per distinct token the
+    batch holds (`looped`), or once over every token (not looped)."""
+
+    def __init__(self, looped: bool):
+        super().__init__()
+        self.looped = looped
+        self.embed = nn.Embedding(8, 4)
+        self.expert = nn.Linear(4, 4)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        if not self.looped:
+            return self.expert(hidden).sum()
+        return sum(self.expert(hidden[input_ids == token]).sum() for token in input_ids.unique())
+
+
+class _LossOfForward:
+    def loss(self, model, batch):
+        return model(batch["input_ids"])
+
+
+def test_a_module_called_once_per_routed_token_is_observed_to_vary_across_ranks():
+    """module-calls-vary-across-ranks on a model no transformers class wrote: split as the distributed
+    engines split the batch (rows 0-1 to rank 0, row 2 to rank 1), the looped expert runs 3 times on
+    rank 0's share and 2 on rank 1's; run once over every token, it runs once on each."""
+    batch = {"input_ids": torch.tensor([[1, 2, 1], [3, 1, 2], [4, 4, 5]])}
+    kind = _LossOfForward()
+    assert observation._calls_vary_across_shares(kind, _TokenRoutedExpert(looped=True), batch) == ("expert",)
+    assert observation._calls_vary_across_shares(kind, _TokenRoutedExpert(looped=False), batch) == ()
+
+
+def test_dbrx_experts_calls_vary_across_ranks_and_fused_experts_do_not():
+    """DbrxExperts calls its one mlp once per expert the tokens reach (the trait
+    zero3-gathers-desync-where-module-calls-vary-across-ranks selects by); Mixtral's experts are one
+    fused module, called once per layer on every rank."""
+    from matrix.selection.cells import parse_selection
+
+    for name in ("hf:dbrx", "hf:mixtral"):
+        parse_selection("model", name)  # made on demand, as --model makes them
+    dbrx = observe(MODELS["hf:dbrx"])
+    assert dbrx.error is None, dbrx.error
+    assert dbrx.calls_vary_across_shares == (
+        "transformer.blocks.0.ffn.experts.mlp",
+        "transformer.blocks.1.ffn.experts.mlp",
+    )
+    assert "module-calls-vary-across-ranks" in dbrx.traits
+    for name in ("hf:mixtral", "tiny-llama", "lora"):
+        assert "module-calls-vary-across-ranks" not in observe(MODELS[name]).traits, name

@@ -158,6 +158,23 @@ def test_deepspeed_script_reproduces_the_catalogued_failure(cell, deepspeed_run,
 
 @needs_deepspeed
 @pytest.mark.timeout(DEEPSPEED_TEST_LIMIT_S)
+def test_deepspeed_script_names_the_phase_a_rank_died_in(tmp_path_factory, tmp_path):
+    """A rank the C++ runtime aborts (hf:dbrx on ZeRO-3: the ranks' parameter gathers no longer pair
+    up) kills the script's ranks as it killed the cell's: the script names the phase the rank was
+    in, as the matrix names the call its ranks ran, and exits 1, not 2 ("another failure in launch")."""
+    cell = "hf:dbrx-fp32-train-cpu-deepspeed-zero3"
+    selection = ("--model", "hf:dbrx", "--precision", "fp32", "--mode", "train", "--engine", "deepspeed-zero3")
+    run, cells = matrix_run_of({cell: None}, tmp_path_factory.mktemp("dbrx-repro"), *selection)
+    assert cells[cell]["outcome"] == "known" and cells[cell]["phase"] == "train_steps", cells[cell]["signature"]
+    done, outcome = script_of(cell, run, tmp_path, DEEPSPEED_SCRIPT_LIMIT_S)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert outcome["outcome"] == "reproduced" and outcome["phase"] == "train_steps", outcome
+    assert outcome["failure"]["name"] == "rank died" and "SIGABRT" in outcome["failure"]["message"]
+    assert "Received data size doesn't match expected size" in done.stderr  # the rank's own words
+
+
+@needs_deepspeed
+@pytest.mark.timeout(DEEPSPEED_TEST_LIMIT_S)
 @pytest.mark.parametrize("cell", sorted(c for c, target in DEEPSPEED_CELLS.items() if target is None))
 def test_deepspeed_script_of_a_passing_cell_holds_with_the_records_numbers(cell, deepspeed_run, tmp_path):
     run, cells = deepspeed_run

@@ -124,8 +124,16 @@ class Rank:
         except OSError:
             return ""
         fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-        # faulthandler's report starts with its cause and the innermost frames: keep those
-        shown = lines[fatal[-1] : fatal[-1] + LOG_TAIL_LINES] if fatal else lines[-LOG_TAIL_LINES:]
+        if not fatal:
+            return " | ".join(line.strip() for line in lines[-LOG_TAIL_LINES:])
+        # faulthandler's report starts with its cause and the innermost frames: keep those, and
+        # before them what the C++ runtime printed of an uncaught exception (a collective's
+        # size mismatch in gloo: "terminate called after throwing ..." and its what())
+        start = fatal[-1]
+        thrown = [i for i in range(max(0, start - LOG_TAIL_LINES), start) if lines[i].startswith("terminate called")]
+        if thrown:
+            start = thrown[-1]
+        shown = lines[start : fatal[-1] + LOG_TAIL_LINES]
         return " | ".join(line.strip() for line in shown)
 
 

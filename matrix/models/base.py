@@ -107,6 +107,11 @@ TRAITS: dict[str, str] = {
         "transformer block, tied into every hybrid layer): a wrapper that shards each layer on its own "
         "meets one tensor in two groups"
     ),
+    "module-calls-vary-across-ranks": (
+        "its forward calls a module holding parameters a different number of times on each rank's share of a "
+        "batch (DBRX's experts call their one mlp once per expert the tokens reach): DeepSpeed ZeRO-3 gathers "
+        "a module's parameters at each call, so the ranks' gathers no longer pair up"
+    ),
     "tied-output-bias": (
         "its output embeddings' bias is the same parameter as another module's (BERT-style heads: "
         "cls.predictions.decoder.bias is cls.predictions.bias)"

@@ -21,6 +21,8 @@ on the CPU in fp32:
 - whether the output embeddings' bias is the same parameter as another module's (`tied-output-bias`:
   BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias), and whether two layers of
   its layer stack hold one parameter (`parameters-tied-across-layers`: Zamba's shared transformer block);
+- the modules holding parameters that a forward calls a different number of times on each rank's
+  share of the batch (`module-calls-vary-across-ranks`: DBRX's experts, one call per expert reached);
 - the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-bf16-loads`,
   `fp32-parameters-in-fp16-loads`, either: `fp32-parameters-in-half-loads`; DeepseekV2's router gate.weight,
   declared; HunYuan MoE's router, created in fp32 by its __init__), which leave a layer holding two dtypes;
@@ -114,6 +116,11 @@ class Observation:
     # (Zamba's shared transformer block, tied into every hybrid layer): a wrapper that shards each
     # layer on its own finds one tensor in two of its groups
     tied_across_layers: tuple[str, ...] = ()
+    # modules holding parameters that the forward calls a different number of times on the ranks'
+    # shares of the batch (DBRX's experts call their one `mlp` once per expert the share's tokens
+    # reach): DeepSpeed ZeRO-3 gathers a module's parameters at each call, so the ranks' gathers
+    # no longer pair up
+    calls_vary_across_shares: tuple[str, ...] = ()
     # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
     # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
     unsaved_float_buffers: tuple[str, ...] = ()
@@ -196,6 +203,8 @@ class Observation:
             found.add("module-shared-across-instances")
         if self.tied_across_layers:
             found.add("parameters-tied-across-layers")
+        if self.calls_vary_across_shares:
+            found.add("module-calls-vary-across-ranks")
         return frozenset(found)
 
     def count(self, batch: dict) -> int:
@@ -229,6 +238,7 @@ class Observation:
             "saved_in_another_layout": list(self.saved_in_another_layout),
             "shared_across_instances": list(self.shared_across_instances),
             "tied_across_layers": list(self.tied_across_layers[:5]),
+            "calls_vary_across_shares": list(self.calls_vary_across_shares[:5]),
             "reloaded_by_library": self.reloaded_by_library,
             "gradless_parameters": list(self.gradless_parameters),
             "unused_parameters": len(self.unused_parameters),
@@ -362,6 +372,40 @@ def _num_items_effect(model: nn.Module, batch: dict) -> tuple[str, bool] | None:
     finally:
         model.train(was_training)
     return None if plain is None else (type(target).__name__, torch.equal(plain, given))
+
+
+def _calls_vary_across_shares(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
+    """The modules owning parameters that an eval forward calls a different number of times on
+    each rank's share of the batch, split as the distributed engines split it (matrix/harness/group.py)."""
+    from collections import Counter
+
+    from matrix.engines.distributed import WORLD_SIZE
+
+    shares = [
+        {key: torch.tensor_split(value, WORLD_SIZE)[rank] for key, value in batch.items()} for rank in range(WORLD_SIZE)
+    ]
+    if any(len(next(iter(share.values()))) == 0 for share in shares):
+        return ()  # a rank without rows: the engines' own concern, not a module's
+    owners = {
+        name: module
+        for name, module in model.named_modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+    calls = []
+    for share in shares:
+        counted = Counter()
+        hooks = [
+            module.register_forward_pre_hook(lambda _m, _a, name=name, counted=counted: counted.update([name]))
+            for name, module in owners.items()
+        ]
+        try:
+            with torch.no_grad():
+                kind.loss(model, share)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        calls.append(counted)
+    return tuple(name for name in owners if len({counted[name] for counted in calls}) > 1)
 
 
 def _tied_across_layers(model: nn.Module) -> tuple[str, ...]:
@@ -583,6 +627,7 @@ def _observe(kind) -> Observation:
                 saved_in_another_layout=_saved_in_another_layout(kind, model, workdir),
                 shared_across_instances=_shared_across_instances(model, loaded),
                 tied_across_layers=_tied_across_layers(model),
+                calls_vary_across_shares=_calls_vary_across_shares(kind, model, batch),
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
                 unused_parameters=unused,

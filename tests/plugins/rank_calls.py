@@ -34,6 +34,18 @@ def die_on(context, rank):
     return context.rank
 
 
+def mismatched_gather(context):
+    """An all-gather whose ranks disagree on its size, waited on as ZeRO-3 waits on its parameter
+    gathers: gloo's transport thread throws, and the C++ runtime aborts the rank."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.ones(2 + 6 * context.rank)
+    gathered = torch.empty(mine.numel() * dist.get_world_size())
+    dist.all_gather_into_tensor(gathered, mine, async_op=True).wait()
+    return context.rank
+
+
 def sleep_on(context, rank, seconds):
     if context.rank == rank:
         time.sleep(seconds)

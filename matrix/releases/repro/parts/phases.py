@@ -403,6 +403,9 @@ def run_phases():
     for phase in PHASES:
         NOW["phase"] = phase.__name__
         print("phase", phase.__name__, flush=True)
+        if NOW.get("phase_file"):  # a rank's: where launch() reads the phase a rank died in
+            with open(NOW["phase_file"], "w") as handle:
+                handle.write(phase.__name__)
         try:
             phase(cell)
         except BaseException as exc:  # the cell's failure, or another: named below with its traceback
@@ -432,11 +435,17 @@ def rank_main(rank, port, out):
     )
     if rank != 0:  # rank 0's checks are the script's output; the other ranks' errors still go to stderr
         sys.stdout = open(os.devnull, "w")  # for the rank's whole life
+    NOW["phase_file"] = phase_file(rank)
     ENGINE.setup_rank(rank)
     result = run_phases()
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(result, handle, default=str)
+
+
+def phase_file(rank):
+    """Where rank `rank` writes the phase it is in."""
+    return os.path.join(WORKDIR, f"rank{rank}.phase")
 
 
 def launch():
@@ -448,14 +457,23 @@ def launch():
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     out = os.path.join(WORKDIR, "rank0.json")
-    if os.path.exists(out):
-        os.remove(out)  # another run's, in a REPRO_WORKDIR given again
+    for stale in [out] + [phase_file(rank) for rank in range(WORLD_SIZE)]:
+        if os.path.exists(stale):
+            os.remove(stale)  # another run's, in a REPRO_WORKDIR given again
     try:
         torch.multiprocessing.start_processes(rank_main, args=(port, out), nprocs=WORLD_SIZE, start_method="spawn")
-    except Exception as exc:  # a rank died (a signal, an error outside the phases): the matrix's RankDied
+    except Exception as exc:  # a rank died (a signal, an error outside the phases)
         if not os.path.exists(out):
             message = (str(exc).strip().splitlines() or [""])[0]
-            return {"failure": {"phase": "launch", "name": "RankDied", "message": message}, "checks": []}
+            # the phase the rank that died was in, as the matrix names the call its ranks ran; "launch"
+            # when it died before its first phase (the process group, the engine's setup)
+            dead = getattr(exc, "error_index", 0)
+            phase = "launch"
+            if os.path.exists(phase_file(dead)):
+                with open(phase_file(dead)) as handle:
+                    phase = handle.read().strip() or "launch"
+            # named as the matrix's signature names it (matrix/execute/rank_pool.py RankDied)
+            return {"failure": {"phase": phase, "name": "rank died", "message": message}, "checks": []}
     with open(out) as handle:
         return json.load(handle)
 
