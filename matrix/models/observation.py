@@ -376,14 +376,11 @@ def _num_items_effect(model: nn.Module, batch: dict) -> tuple[str, bool] | None:
 
 def _calls_vary_across_shares(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
     """The modules owning parameters that an eval forward calls a different number of times on
-    each rank's share of the batch, split as the distributed engines split it (matrix/harness/group.py)."""
+    two ranks' shares of the batch, split as the distributed engines split it (matrix/harness/group.py):
+    two shares whose counts differ show a count that follows the rows, whatever the world size."""
     from collections import Counter
 
-    from matrix.engines.distributed import WORLD_SIZE
-
-    shares = [
-        {key: torch.tensor_split(value, WORLD_SIZE)[rank] for key, value in batch.items()} for rank in range(WORLD_SIZE)
-    ]
+    shares = [{key: torch.tensor_split(value, 2)[rank] for key, value in batch.items()} for rank in range(2)]
     if any(len(next(iter(share.values()))) == 0 for share in shares):
         return ()  # a rank without rows: the engines' own concern, not a module's
     owners = {
