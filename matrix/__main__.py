@@ -11,6 +11,8 @@
                          (matrix/releases/entry_releases.py: docs/entry-releases.md)
   triage RUN             each new signature of a run as a standalone script, run in a fresh process:
                          reproduces, does not reproduce, another failure (matrix/releases/triage.py)
+  rejudge RUN            a run's cells classified again against the catalogue as it is now, without
+                         running a cell (matrix/releases/rejudge.py)
   replay CELL            one cell, optionally with an exploration's variant
   diff OLD NEW           what changed between two runs (matrix/results/compare.py)
   merge A B -o DIR       shard reports into one run (matrix/shards/merge.py)
@@ -156,6 +158,33 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="stop starting scripts after this long in all; the signatures left are classified not-run",
     )
+    judged = commands.add_parser(
+        "rejudge",
+        help="classify a run's cells again against the catalogue as it is now (its versions and machine as the "
+        "run recorded them), without running a cell; exit 1 when a cell reads new",
+    )
+    judged.add_argument("run", type=Path, help="a report directory or its results.json")
+    judged.add_argument(
+        "-p",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=PLUGIN_HELP + " (the run's own -p modules, named in its cells' re-run commands, are loaded too)",
+    )
+    judged.add_argument(
+        "--catalogue",
+        dest="catalogues",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a catalogue file added to the built-in one, as the run's --catalogue (repeatable)",
+    )
+    judged.add_argument(
+        "--no-builtin-catalogue", action="store_true", help="leave out the built-in catalogue, as the run's option"
+    )
+    judged.add_argument("--json", type=Path, help="also write every cell's outcome before and after here")
     replay = commands.add_parser("replay", help="run one cell, optionally with an exploration's variant")
     replay.add_argument("-p", dest="plugins", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP)
     replay.add_argument("cell", help="a cell id, e.g. tiny-transformer-bf16-mixed-eval-cpu-torch")
@@ -228,7 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("-o", "--output", type=Path, help="default: matrix/golden/curves-<stack>.json")
     args, extra = parser.parse_known_args(argv)
     extra = without_separator(extra)
-    takes_no_more = args.command in ("diff", "merge", "compatibility", "curves", "triage", "entry-releases") and (
+    takes_no_more = args.command in (
+        "diff",
+        "merge",
+        "compatibility",
+        "curves",
+        "triage",
+        "entry-releases",
+        "rejudge",
+    ) and (
         args.command != "curves" or args.curves_command != "run"  # curves run hands the rest to the run
     )
     if takes_no_more and extra:
@@ -246,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         return golden_curves(args, extra)
     if args.command == "triage":
         return triage_run(args)
+    if args.command == "rejudge":
+        return rejudge_run(args)
     if args.command in ("replay", "repro", "entry-releases") and not load_plugins(args.command, args.plugins):
         return 2
     if args.command == "replay":
@@ -446,6 +485,40 @@ def diff_runs(args) -> int:
             path.write_text(text, encoding="utf-8")
     sys.stdout.write(as_json if args.format == "json" else markdown)
     return 1 if result.gating(fail_on) else 0
+
+
+def rejudge_run(args) -> int:
+    """0: no cell reads new, 1: some do, 2: bad input."""
+    import json
+
+    from matrix.catalogue.entries import CatalogueError, assemble
+    from matrix.releases import rejudge, triage
+    from matrix.results.files import ResultsError, load
+    from matrix.selection.cells import SelectionError
+
+    def refuse(message: str) -> int:
+        print(f"python -m matrix rejudge: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        document, file = load(args.run)
+    except ResultsError as error:
+        return refuse(str(error))
+    if not load_plugins("rejudge", list(dict.fromkeys([*args.plugins, *triage.recorded_plugins(document["cells"])]))):
+        return 2
+    try:
+        catalogue = assemble(tuple(args.catalogues), builtin=not args.no_builtin_catalogue)
+        judged = rejudge.rejudge(document, catalogue)
+    except (CatalogueError, SelectionError) as error:
+        return refuse(str(error))
+    against = "no built-in catalogue" if args.no_builtin_catalogue else "the built-in catalogue"
+    print(f"{file}, judged again against {against}" + "".join(f" + {path}" for path in args.catalogues) + ":")
+    for line in rejudge.summary_lines(judged):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps([cell.as_dict() for cell in judged], indent=1))
+        print(f"written: {args.json}")
+    return 1 if any(cell.after == "failed" for cell in judged) else 0
 
 
 def triage_run(args) -> int:
