@@ -4,6 +4,7 @@ matrix/models/declared_dtypes.py), with a user's model kind written the usual wa
 The architecture sweep's CI slice runs here too."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -311,6 +312,32 @@ def test_a_mechanism_the_sweep_found_on_two_engines_is_known_on_the_others(tmp_p
         assert cell["outcome"] == "known", (cell_id, cell["signature"], done.stdout[-2000:])
         assert cell["known_failure"]["id"] == entry
     assert "parameters-tied-across-layers" in cells["hf:zamba-fp32-eval-cpu-fsdp2"]["metrics"]["kind"]["traits"]
+
+
+@pytest.mark.timeout(600)
+def test_reformers_layers_recomputed_in_backward_meet_fsdp2s_sharded_parameters(tmp_path):
+    """fsdp2-layer-recomputed-in-backward-outside-its-hooks: hf:reformer's training under fsdp2 fails in
+    the backward's recomputation of a reversible layer, selected by the observed trait; and the
+    entry's standalone script (torch and transformers alone, one gloo rank) shows it with the root
+    sharded alone as the control: exit 1."""
+    done = subprocess.run(
+        [sys.executable, "-m", "matrix", "run", "cases", "--model", "hf:reformer", "--engine", "fsdp2",
+         "--precision", "fp32", "--mode", "train", "--device", "cpu", "--report-dir", str(tmp_path),
+         "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    cells = {c["id"]: c for c in json.loads((tmp_path / "latest" / "results.json").read_text())["cells"]}
+    cell = cells["hf:reformer-fp32-train-cpu-fsdp2"]
+    assert cell["outcome"] == "known", (cell["signature"], done.stdout[-2000:])
+    assert cell["known_failure"]["id"] == "fsdp2-layer-recomputed-in-backward-outside-its-hooks"
+    assert "backward_pass" in cell["traceback"] and "got mixed torch.Tensor and DTensor" in cell["message"]
+    script = ROOT / "docs" / "upstream-fsdp2" / "fully_shard_reversible_layers.py"
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    shown = subprocess.run(
+        [sys.executable, "-I", str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert shown.returncode == 1, shown.stdout + shown.stderr[-3000:]
+    assert "the root sharded alone:          the step ran" in shown.stdout
 
 
 def test_a_scripts_config_carries_what_differs_from_each_config_class_default():

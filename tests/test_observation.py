@@ -280,3 +280,62 @@ def test_dbrx_experts_calls_vary_across_ranks_and_fused_experts_do_not():
     assert "module-calls-vary-across-ranks" in dbrx.traits
     for name in ("hf:mixtral", "tiny-llama", "lora"):
         assert "module-calls-vary-across-ranks" not in observe(MODELS[name]).traits, name
+
+
+class _RecomputeInBackward(torch.autograd.Function):
+    """A reversible block as a user writes one: the forward keeps no activations (no_grad), the
+    backward runs the block again with autograd to get its gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, block):
+        ctx.block = block
+        ctx.save_for_backward(hidden)
+        with torch.no_grad():
+            return block(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hidden,) = ctx.saved_tensors
+        with torch.enable_grad():
+            again = hidden.detach().requires_grad_()
+            output = ctx.block(again)
+        torch.autograd.backward(output, grad)
+        return again.grad, None
+
+
+class _ReversibleOrCheckpointed(nn.Module):
+    def __init__(self, reversible: bool):
+        super().__init__()
+        self.reversible = reversible
+        self.embed = nn.Embedding(8, 4)
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        if self.reversible:
+            return _RecomputeInBackward.apply(hidden, self.block).sum()
+        return torch.utils.checkpoint.checkpoint(self.block, hidden, use_reentrant=False).sum()
+
+
+def test_a_block_rerun_in_backward_after_a_forward_without_autograd_is_observed():
+    """forward-recomputed-in-backward on a model no transformers class wrote: a block the forward runs
+    under no_grad and the backward runs again is named; torch's non-reentrant checkpoint also reruns it
+    in the backward, but its forward ran with autograd (FSDP2 composes with it), so it is not."""
+    batch = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]])}
+    kind = _LossOfForward()
+    assert observation._recomputed_in_backward(kind, _ReversibleOrCheckpointed(reversible=True), batch) == ("block",)
+    assert observation._recomputed_in_backward(kind, _ReversibleOrCheckpointed(reversible=False), batch) == ()
+
+
+def test_reformers_reversible_layers_are_recomputed_in_backward():
+    """fsdp2-layer-recomputed-in-backward-outside-its-hooks selects by the trait: hf:reformer's layers,
+    run by _ReversibleFunction; not the default kinds'."""
+    from matrix.selection.cells import parse_selection
+
+    parse_selection("model", "hf:reformer")  # made on demand, as --model hf:reformer makes it
+    found = observe(MODELS["hf:reformer"])
+    assert found.error is None, found.error
+    assert "forward-recomputed-in-backward" in found.traits
+    assert "reformer.encoder.layers.0.feed_forward.dense.dense" in found.recomputed_in_backward
+    for name in ("tiny-llama", "lora", "tiny-transformer"):
+        assert "forward-recomputed-in-backward" not in observe(MODELS[name]).traits, name

@@ -112,6 +112,10 @@ TRAITS: dict[str, str] = {
         "batch (DBRX's experts call their one mlp once per expert the tokens reach): DeepSpeed ZeRO-3 gathers "
         "a module's parameters at each call, so the ranks' gathers no longer pair up"
     ),
+    "forward-recomputed-in-backward": (
+        "a training step runs some of its modules without autograd in the forward and again in the backward "
+        "(Reformer's reversible layers): their forward outputs carry no autograd node for a wrapper to hook"
+    ),
     "tied-output-bias": (
         "its output embeddings' bias is the same parameter as another module's (BERT-style heads: "
         "cls.predictions.decoder.bias is cls.predictions.bias)"

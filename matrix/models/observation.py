@@ -22,7 +22,9 @@ on the CPU in fp32:
   BERT-style heads, cls.predictions.decoder.bias is cls.predictions.bias), and whether two layers of
   its layer stack hold one parameter (`parameters-tied-across-layers`: Zamba's shared transformer block);
 - the modules holding parameters that a forward calls a different number of times on each rank's
-  share of the batch (`module-calls-vary-across-ranks`: DBRX's experts, one call per expert reached);
+  share of the batch (`module-calls-vary-across-ranks`: DBRX's experts, one call per expert reached),
+  and those a training step runs without autograd in its forward and again in its backward
+  (`forward-recomputed-in-backward`: Reformer's reversible layers);
 - the trainable parameters its class keeps in fp32 when loaded in bf16 or fp16 (`fp32-parameters-in-bf16-loads`,
   `fp32-parameters-in-fp16-loads`, either: `fp32-parameters-in-half-loads`; DeepseekV2's router gate.weight,
   declared; HunYuan MoE's router, created in fp32 by its __init__), which leave a layer holding two dtypes;
@@ -121,6 +123,10 @@ class Observation:
     # reach): DeepSpeed ZeRO-3 gathers a module's parameters at each call, so the ranks' gathers
     # no longer pair up
     calls_vary_across_shares: tuple[str, ...] = ()
+    # modules holding parameters that a training step runs without autograd in its forward and again
+    # in its backward (Reformer's reversible layers): FSDP2 gathers a layer's parameters for the
+    # backward from a hook on its forward outputs, which these outputs do not carry
+    recomputed_in_backward: tuple[str, ...] = ()
     # floating-point buffers left out of the state dict (RoPE's inv_freq) that the kind's loader,
     # asked for bf16, makes in another dtype: a cast rounds them, a reload does not
     unsaved_float_buffers: tuple[str, ...] = ()
@@ -205,6 +211,8 @@ class Observation:
             found.add("parameters-tied-across-layers")
         if self.calls_vary_across_shares:
             found.add("module-calls-vary-across-ranks")
+        if self.recomputed_in_backward:
+            found.add("forward-recomputed-in-backward")
         return frozenset(found)
 
     def count(self, batch: dict) -> int:
@@ -239,6 +247,7 @@ class Observation:
             "shared_across_instances": list(self.shared_across_instances),
             "tied_across_layers": list(self.tied_across_layers[:5]),
             "calls_vary_across_shares": list(self.calls_vary_across_shares[:5]),
+            "recomputed_in_backward": list(self.recomputed_in_backward[:5]),
             "reloaded_by_library": self.reloaded_by_library,
             "gradless_parameters": list(self.gradless_parameters),
             "unused_parameters": len(self.unused_parameters),
@@ -455,6 +464,40 @@ def _gradless_parameters(kind, model: nn.Module, batch: dict) -> tuple[tuple[str
     return found, unused
 
 
+def _recomputed_in_backward(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
+    """The modules holding parameters that one fp32 training step runs with autograd off in its
+    forward and again in its backward (Reformer's reversible layers: _ReversibleFunction runs them
+    under no_grad, and its backward recomputes each from its outputs). Their forward outputs carry
+    no autograd node, so a wrapper that hooks a layer's outputs to gather its parameters for the
+    backward (FSDP2) is not called before they run again."""
+    owners = {
+        name: module
+        for name, module in model.named_modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+    without_autograd: set[str] = set()
+    in_backward: set[str] = set()
+    stage = {"now": "forward"}
+
+    def seen(name: str) -> None:
+        if stage["now"] == "backward":
+            in_backward.add(name)
+        elif not torch.is_grad_enabled():
+            without_autograd.add(name)
+
+    hooks = [module.register_forward_pre_hook(lambda _m, _a, name=name: seen(name)) for name, module in owners.items()]
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = kind.loss(model, batch)
+        stage["now"] = "backward"
+        loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+    return tuple(name for name in owners if name in without_autograd and name in in_backward)
+
+
 def _loaded_otherwise(kind, workdir: Path, buffers: tuple[str, ...]) -> tuple[str, ...]:
     """Those of `buffers` that the kind's load_weights(), asked for bf16, gives in another dtype
     (RoPE's inv_freq: fp32), from the fp32 checkpoint build() wrote under `workdir`: a model cast
@@ -590,6 +633,7 @@ def _observe(kind) -> Observation:
             model.train()
             first, second = _probe_losses(kind, model, batch)
             gradless, unused = _gradless_parameters(kind, model, batch)
+            recomputed = _recomputed_in_backward(kind, model, batch)
             frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
             model.eval()
             rule, evidence = _loss_item_rule(kind, model, batch)
@@ -625,6 +669,7 @@ def _observe(kind) -> Observation:
                 shared_across_instances=_shared_across_instances(model, loaded),
                 tied_across_layers=_tied_across_layers(model),
                 calls_vary_across_shares=_calls_vary_across_shares(kind, model, batch),
+                recomputed_in_backward=recomputed,
                 reloaded_by_library=_reloaded_by_library(kind),
                 gradless_parameters=gradless,
                 unused_parameters=unused,
