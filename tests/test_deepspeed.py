@@ -288,6 +288,20 @@ def test_ranks_that_call_a_module_unequally_abort_in_zero3s_gathers_and_read_kno
     assert "Received data size doesn't match expected size" in cell["message"], cell["message"][:3000]
 
 
+@needs_deepspeed
+def test_the_trainer_on_zero2_skips_every_step_of_non_finite_gradients_and_reads_known(matrix_cpu, tmp_path):
+    """hf:gemma3n_text's left padding gives NaN gradients in fp32 (gemma3n-left-padding-zero-magnitude-nan-
+    gradients): DeepSpeed skips each of the Trainer's three steps for them, so its weights never move,
+    where the deepspeed-zero engines retry and say the steps kept overflowing. Both read known."""
+    selection = ("--model", "hf:gemma3n_text", "--precision", "fp32", "--mode", "train")
+    _, cells = matrix_cpu(tmp_path, *selection, "--engine", "hf-trainer-zero2")
+    cell = cells["hf:gemma3n_text-fp32-train-cpu-hf-trainer-zero2"]
+    assert cell["outcome"] == "known", cell["signature"]
+    assert cell["known_failure"]["id"] == "gemma3n-left-padding-zero-magnitude-nan-gradients"
+    assert cell["signature"]["text"].startswith("train_steps: matrix.checks.ParametersUnchanged")
+    assert cell["metrics"]["steps_skipped_by_grad_scaler"] == 3 and cell["metrics"]["optimizer_steps_applied"] == 0
+
+
 @pytest.fixture(scope="module")
 def user_gpt2_trainer_zero2(matrix_cpu, tmp_path_factory):
     """A user's GPT-2 (tests/plugins/user_gpt2.py: dropout on, GPT2LMHeadModel's loss) trained in fp32
