@@ -46,13 +46,11 @@ def rejudge_command(run: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_run_judged_again_against_its_own_catalogue_changes_nothing(evaluation_run):
-    run, document = evaluation_run
+    _, document = evaluation_run
     judged = rejudge.rejudge(document, assemble())
     ran = [c for c in document["cells"] if c["outcome"] != "skipped"]
     assert len(judged) == len(ran) and not [c for c in judged if c.changed]
-    done = rejudge_command(run)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "changed: 0" in done.stdout
+    assert "  changed: 0" in rejudge.summary_lines(judged)
 
 
 def test_without_the_builtin_catalogue_every_known_cell_reads_new(evaluation_run, tmp_path):
@@ -70,7 +68,7 @@ def test_without_the_builtin_catalogue_every_known_cell_reads_new(evaluation_run
 
 
 def test_an_entry_added_that_claims_a_passing_cell_reads_it_fixed(evaluation_run, tmp_path):
-    run, document = evaluation_run
+    _, document = evaluation_run
     extra = tmp_path / "extra.toml"
     extra.write_text(CLAIMS_A_PASSING_CELL)
     judged = {c.id: c for c in rejudge.rejudge(document, assemble((extra,)))}
@@ -81,9 +79,9 @@ def test_an_entry_added_that_claims_a_passing_cell_reads_it_fixed(evaluation_run
         "test-claims-tiny-transformers-fp32-evaluation",
     )
     assert [i for i, c in judged.items() if c.changed] == ["tiny-transformer-fp32-eval-cpu-torch"]
-    done = rejudge_command(run, "--catalogue", str(extra))
-    assert done.returncode == 0, done.stdout + done.stderr  # fixed is not new
-    assert "passed -> fixed (test-claims-tiny-transformers-fp32-evaluation)" in done.stdout
+    assert "        1  passed -> fixed (test-claims-tiny-transformers-fp32-evaluation)" in rejudge.summary_lines(
+        list(judged.values())
+    )
 
 
 def test_conditions_read_the_runs_machine_not_this_one(evaluation_run, tmp_path):
