@@ -49,6 +49,20 @@ def load_plugins(command: str, modules: list[str]) -> bool:
     return True
 
 
+def add_run_arguments(parser) -> None:
+    """A command that reads a run made earlier (triage, rejudge): the run, and the -p modules its
+    cells need (the run's own, named in their re-run commands, are loaded too)."""
+    parser.add_argument("run", type=Path, help="a report directory or its results.json")
+    parser.add_argument(
+        "-p",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=PLUGIN_HELP + " (the run's own -p modules, named in its cells' re-run commands, are loaded too)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
@@ -132,15 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run each new signature's smallest cell as a standalone script in a fresh process and classify it: "
         "reproduces (an upstream candidate), does not reproduce (a harness suspect), another failure",
     )
-    triaged.add_argument("run", type=Path, help="a report directory or its results.json")
-    triaged.add_argument(
-        "-p",
-        dest="plugins",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help=PLUGIN_HELP + " (the run's own -p modules, named in its cells' re-run commands, are loaded too)",
-    )
+    add_run_arguments(triaged)
     triaged.add_argument(
         "--timeout",
         type=float,
@@ -163,15 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         help="classify a run's cells again against the catalogue as it is now (its versions and machine as the "
         "run recorded them), without running a cell; exit 1 when a cell reads new",
     )
-    judged.add_argument("run", type=Path, help="a report directory or its results.json")
-    judged.add_argument(
-        "-p",
-        dest="plugins",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help=PLUGIN_HELP + " (the run's own -p modules, named in its cells' re-run commands, are loaded too)",
-    )
+    add_run_arguments(judged)
     judged.add_argument(
         "--catalogue",
         dest="catalogues",
