@@ -16,4 +16,6 @@ that show a cell without the harness.
                      entry names and its fixed release (docs/entry-releases.md)
   triage.py        - python -m matrix triage: each new signature's smallest cell as a standalone
                      script in a fresh process: reproduces, does not reproduce, another failure
+  rejudge.py       - python -m matrix rejudge: a run's cells classified again against the catalogue
+                     as it is now, with the run's versions and machine, without running a cell
 """
