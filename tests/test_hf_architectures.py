@@ -320,14 +320,11 @@ def test_reformers_layers_recomputed_in_backward_meet_fsdp2s_sharded_parameters(
     the backward's recomputation of a reversible layer, selected by the observed trait; and the
     entry's standalone script (torch and transformers alone, one gloo rank) shows it with the root
     sharded alone as the control: exit 1."""
-    done = subprocess.run(
-        [sys.executable, "-m", "matrix", "run", "cases", "--model", "hf:reformer", "--engine", "fsdp2",
-         "--precision", "fp32", "--mode", "train", "--device", "cpu", "--report-dir", str(tmp_path),
-         "-p", "no:cacheprovider"],
-        cwd=ROOT, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    cells = {c["id"]: c for c in json.loads((tmp_path / "latest" / "results.json").read_text())["cells"]}
-    cell = cells["hf:reformer-fp32-train-cpu-fsdp2"]
+    from conftest import run_matrix_cpu
+
+    selection = ("--model", "hf:reformer", "--engine", "fsdp2", "--precision", "fp32", "--mode", "train")
+    done, document = run_matrix_cpu(tmp_path, *selection, run_id="run")
+    cell = {c["id"]: c for c in document["cells"]}["hf:reformer-fp32-train-cpu-fsdp2"]
     assert cell["outcome"] == "known", (cell["signature"], done.stdout[-2000:])
     assert cell["known_failure"]["id"] == "fsdp2-layer-recomputed-in-backward-outside-its-hooks"
     assert "backward_pass" in cell["traceback"] and "got mixed torch.Tensor and DTensor" in cell["message"]

@@ -47,6 +47,7 @@ observed ones in catalogue selection, and the report records both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
@@ -383,6 +384,23 @@ def _num_items_effect(model: nn.Module, batch: dict) -> tuple[str, bool] | None:
     return None if plain is None else (type(target).__name__, torch.equal(plain, given))
 
 
+@contextlib.contextmanager
+def _module_calls(model: nn.Module, seen):
+    """While inside: seen(name) at each call of a module that holds parameters of its own (the
+    modules whose parameters a sharding library gathers on a call); yields their names in order."""
+    owners = {
+        name: module
+        for name, module in model.named_modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+    hooks = [module.register_forward_pre_hook(lambda _m, _a, name=name: seen(name)) for name, module in owners.items()]
+    try:
+        yield list(owners)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def _calls_vary_across_shares(kind, model: nn.Module, batch: dict) -> tuple[str, ...]:
     """The modules owning parameters that an eval forward calls a different number of times on
     two ranks' shares of the batch, split as the distributed engines split it (matrix/harness/group.py):
@@ -392,24 +410,11 @@ def _calls_vary_across_shares(kind, model: nn.Module, batch: dict) -> tuple[str,
     shares = [{key: torch.tensor_split(value, 2)[rank] for key, value in batch.items()} for rank in range(2)]
     if any(len(next(iter(share.values()))) == 0 for share in shares):
         return ()  # a rank without rows: the engines' own concern, not a module's
-    owners = {
-        name: module
-        for name, module in model.named_modules()
-        if next(module.parameters(recurse=False), None) is not None
-    }
     calls = []
     for share in shares:
         counted = Counter()
-        hooks = [
-            module.register_forward_pre_hook(lambda _m, _a, name=name, counted=counted: counted.update([name]))
-            for name, module in owners.items()
-        ]
-        try:
-            with torch.no_grad():
-                kind.loss(model, share)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        with _module_calls(model, lambda name, counted=counted: counted.update([name])) as owners, torch.no_grad():
+            kind.loss(model, share)
         calls.append(counted)
     return tuple(name for name in owners if len({counted[name] for counted in calls}) > 1)
 
@@ -470,11 +475,6 @@ def _recomputed_in_backward(kind, model: nn.Module, batch: dict) -> tuple[str, .
     under no_grad, and its backward recomputes each from its outputs). Their forward outputs carry
     no autograd node, so a wrapper that hooks a layer's outputs to gather its parameters for the
     backward (FSDP2) is not called before they run again."""
-    owners = {
-        name: module
-        for name, module in model.named_modules()
-        if next(module.parameters(recurse=False), None) is not None
-    }
     without_autograd: set[str] = set()
     in_backward: set[str] = set()
     stage = {"now": "forward"}
@@ -485,15 +485,13 @@ def _recomputed_in_backward(kind, model: nn.Module, batch: dict) -> tuple[str, .
         elif not torch.is_grad_enabled():
             without_autograd.add(name)
 
-    hooks = [module.register_forward_pre_hook(lambda _m, _a, name=name: seen(name)) for name, module in owners.items()]
     try:
-        model.zero_grad(set_to_none=True)
-        loss = kind.loss(model, batch)
-        stage["now"] = "backward"
-        loss.backward()
+        with _module_calls(model, seen) as owners:
+            model.zero_grad(set_to_none=True)
+            loss = kind.loss(model, batch)
+            stage["now"] = "backward"
+            loss.backward()
     finally:
-        for hook in hooks:
-            hook.remove()
         model.zero_grad(set_to_none=True)
     return tuple(name for name in owners if name in without_autograd and name in in_backward)
 

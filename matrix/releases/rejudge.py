@@ -11,6 +11,7 @@ model traits the entries select by, which are observed here, on this machine's s
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -33,13 +34,7 @@ class Rejudged:
         return (self.before, self.before_entry) != (self.after, self.after_entry)
 
     def as_dict(self) -> dict:
-        return {
-            "id": self.id,
-            "before": self.before,
-            "before_entry": self.before_entry,
-            "after": self.after,
-            "after_entry": self.after_entry,
-        }
+        return dataclasses.asdict(self)
 
 
 def run_context(document: dict):
